@@ -1,0 +1,1 @@
+"""Backend modules. Importing one registers its op implementations with dsaquant.dispatch."""

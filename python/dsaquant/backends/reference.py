@@ -1,0 +1,8 @@
+"""The `reference` backend: the torch implementation of SPEC.md, on any device."""
+from ..dispatch import register
+from ..reference import ops, scorer
+
+for _name in ("indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store", "index_q_rope_pack_weights",
+              "rope_fake_quant_fp4", "rmsnorm_rope_rotate_fp4quant_kvcache"):
+    register("reference", _name, getattr(ops, _name))
+register("reference", "paged_mqa_logits", scorer.paged_mqa_logits)

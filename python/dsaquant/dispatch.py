@@ -1,0 +1,121 @@
+"""The backend registry and the automatic choice of backend.
+
+Backends: `reference` (torch, any device: the oracle), `triton` (NVIDIA and AMD GPUs; the CPU only under
+TRITON_INTERPRET=1 and only when asked for), `cuda` (the compiled NVIDIA module) and `hip` (the compiled
+AMD module). A backend is a module that, when imported, calls `register(backend, op, fn)` for each op it
+implements. The choice, in order: the op's `backend=` argument, the DSAQUANT_BACKEND environment
+variable, then the best available backend for the tensors' device:
+  CPU -> reference;  NVIDIA GPU -> cuda, triton, reference;  AMD GPU -> hip, triton, reference.
+A forced backend that is missing, or that lacks the op, raises BackendUnavailable naming what is missing.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Callable
+
+import torch
+
+BACKENDS = ("reference", "triton", "cuda", "hip")
+_MODULES = {
+    "reference": "dsaquant.backends.reference",
+    "triton": "dsaquant.backends.triton",
+    "cuda": "dsaquant.backends.cuda",
+    "hip": "dsaquant.backends.hip",
+}
+
+_lock = threading.RLock()
+_impls: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
+_load_errors: dict[str, str] = {}
+_loaded: set[str] = set()
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend was asked for that cannot run here (not built, not importable, or lacking the op)."""
+
+
+def register(backend: str, op: str, fn: Callable) -> None:
+    """Called by a backend module at import: `fn` implements `op` (same arguments as the reference)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    with _lock:
+        _impls[backend][op] = fn
+
+
+def _load(backend: str) -> bool:
+    with _lock:
+        if backend in _loaded:
+            return backend not in _load_errors
+        _loaded.add(backend)
+        try:
+            importlib.import_module(_MODULES[backend])
+        except Exception as e:  # an import failure is reported, never raised at import of dsaquant
+            _load_errors[backend] = f"{type(e).__name__}: {e}"
+            return False
+        return True
+
+
+def available(backend: str) -> tuple[bool, str]:
+    """(usable here?, reason if not) for one backend, importing it on first use."""
+    if backend not in BACKENDS:
+        return False, f"unknown backend {backend!r}; expected one of {BACKENDS}"
+    ok = _load(backend)
+    return ok, ("" if ok else _load_errors.get(backend, "not importable"))
+
+
+def ops_of(backend: str) -> list[str]:
+    """The ops a backend implements (after loading it)."""
+    _load(backend)
+    return sorted(_impls[backend])
+
+
+def _device_order(device: torch.device) -> tuple[str, ...]:
+    if device.type == "cpu":
+        return ("reference",)
+    if getattr(torch.version, "hip", None):
+        return ("hip", "triton", "reference")
+    return ("cuda", "triton", "reference")
+
+
+def _device_ok(backend: str, device: torch.device) -> str:
+    """'' if `backend` can run on `device`, else why not."""
+    if backend == "reference":
+        return ""
+    if device.type == "cpu":
+        if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            return ""
+        return f"backend {backend!r} needs GPU tensors, got tensors on {device}"
+    if backend == "cuda" and getattr(torch.version, "hip", None):
+        return "backend 'cuda' cannot run on a ROCm build of torch; use 'hip'"
+    if backend == "hip" and not getattr(torch.version, "hip", None):
+        return "backend 'hip' needs a ROCm build of torch and an AMD GPU"
+    return ""
+
+
+def choose(op: str, device: torch.device, backend: str | None = None) -> str:
+    """Name of the backend that runs `op` on `device`: the argument, else DSAQUANT_BACKEND, else auto."""
+    forced = backend or os.environ.get("DSAQUANT_BACKEND") or None
+    if forced:
+        where = "backend=" if backend else "DSAQUANT_BACKEND="
+        ok, why = available(forced)
+        if not ok:
+            raise BackendUnavailable(f"{where}{forced!r} was requested but is unavailable: {why}")
+        if op not in _impls[forced]:
+            raise BackendUnavailable(f"{where}{forced!r} does not implement {op!r}; it has {ops_of(forced)}")
+        why = _device_ok(forced, device)
+        if why:
+            raise BackendUnavailable(f"{where}{forced!r}: {why}")
+        return forced
+    for b in _device_order(device):
+        if available(b)[0] and op in _impls[b] and not _device_ok(b, device):
+            return b
+    raise BackendUnavailable(f"no backend implements {op!r} on {device}")
+
+
+def get(backend: str, op: str) -> Callable:
+    _load(backend)
+    try:
+        return _impls[backend][op]
+    except KeyError:
+        raise BackendUnavailable(f"backend {backend!r} does not implement {op!r}") from None

@@ -1,0 +1,48 @@
+"""dsaquant.info(): which backends exist here, which one each device gets, and the versions."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import __version__, dispatch
+
+
+def info() -> dict:
+    """A dict: version, torch/triton versions, device, each backend's availability (and why not), the
+    ops it implements, and the backend chosen automatically for this machine's default device."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # pragma: no cover - triton is optional
+        triton_version = None
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(dev)
+        arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+        device = f"{props.name} ({arch})"
+    else:
+        dev, device = torch.device("cpu"), f"CPU ({platform.machine()})"
+    backends = {}
+    for b in dispatch.BACKENDS:
+        ok, why = dispatch.available(b)
+        backends[b] = {"available": ok, "reason": why, "ops": dispatch.ops_of(b) if ok else []}
+    try:
+        chosen = dispatch.choose("indexer_qk_rope_quant_and_cache", dev)
+    except dispatch.BackendUnavailable as e:
+        chosen = f"none ({e})"
+    return {
+        "dsaquant": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda, "torch_hip": getattr(torch.version, "hip", None), "triton": triton_version,
+        "device": device, "backends": backends, "chosen": chosen,
+    }
+
+
+def format_info(d: dict) -> str:
+    lines = [f"dsaquant {d['dsaquant']}  python {d['python']}  torch {d['torch']}  triton {d['triton']}",
+             f"device: {d['device']}   (torch cuda {d['torch_cuda']}, hip {d['torch_hip']})", "backends:"]
+    for b, v in d["backends"].items():
+        state = f"available, {len(v['ops'])} ops" if v["available"] else f"unavailable: {v['reason']}"
+        lines.append(f"  {b:<10} {state}")
+    lines.append(f"chosen for this device: {d['chosen']}")
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+// dsaquant/arith.h: SPEC §0 arithmetic shared by every format: powers of two and exponents on
+// bits, bf16/fp16 rounding, the NaN-ignoring amax, the canonical sum and exp_ds.
+#pragma once
+
+#include "platform.h"
+
+namespace dsq {
+
+// ---- SPEC §0.5 / §3: exponents on bits --------------------------------------------------------
+// pow2(e) = the fp32 with bits e << 23, i.e. 2^(e-127) for a biased exponent e in 1..254
+// (e = 255 gives +Inf, e = 0 gives +0: callers handle those).
+DSQ_HD float pow2(int e) { return u2f(static_cast<uint32_t>(e) << 23); }
+
+// SPEC §3 ceil_exp(f): biased exponent of the smallest power of two >= f (f >= 0), from bits.
+DSQ_HD int ceil_exp(float f) {
+  const uint32_t u = f2u(f);
+  return static_cast<int>((u >> 23) & 0xFFu) + ((u & 0x7FFFFFu) != 0u ? 1 : 0);
+}
+
+// SPEC §0.3: max |x[i]| ignoring NaN; an empty or all-NaN range gives 0.
+DSQ_HD float nan_amax(const float* x, int n) {
+  float a = 0.0f;
+  for (int i = 0; i < n; ++i) a = fmax_nn(a, abs_f(x[i]));
+  return a;
+}
+
+// ---- SPEC §0.4: round to bf16 / fp16 (nearest even; NaN stays NaN) ---------------------------
+// NaN encodings (ours; the SPEC only says "NaN stays NaN"): sign and top payload bits kept, quiet
+// bit set (IEEE conversion). torch's own bf16 NaN bits vary by code path (0x7FC0, 0xFFFF, 0x7FFF).
+DSQ_HD uint16_t round_bf16(float x) {
+  const uint32_t u = f2u(x);
+  if (is_nan(x)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+DSQ_HD float bf16_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
+
+DSQ_HD float round_to_bf16(float x) { return bf16_to_f32(round_bf16(x)); }
+
+DSQ_HD uint16_t round_fp16(float x) {
+  const uint32_t u = f2u(x);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: Inf
+  if (a >= 0x38800000u) {                                               // fp16 normal (>= 2^-14)
+    const uint32_t r = a + 0x0FFFu + ((a >> 13) & 1u);                  // RNE at 10 mantissa bits
+    return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));     // rebias 127 -> 15
+  }
+  if (a < 0x33000000u) return static_cast<uint16_t>(sign);              // < 2^-25: rounds to 0
+  // fp16 subnormal: the integer a / 2^-24, rounded half to even.
+  const int shift = 126 - static_cast<int>(a >> 23);                    // 14..24
+  const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+DSQ_HD float fp16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1Fu) return u2f(sign | 0x7F800000u | (m << 13));
+  if (e != 0u) return u2f(sign | ((e + 112u) << 23) | (m << 13));
+  const float v = fmul(static_cast<float>(m), pow2(127 - 24));  // exact: m * 2^-24
+  return sign ? -v : v;
+}
+
+DSQ_HD float round_to_fp16(float x) { return fp16_to_f32(round_fp16(x)); }
+
+// ---- SPEC §0.2: the canonical sum ----------------------------------------------------------------
+// Partial i of a row: ((x[4i] + x[4i+1]) + x[4i+2]) + x[4i+3].
+DSQ_HD float canonical_partial(float x0, float x1, float x2, float x3) {
+  return fadd(fadd(fadd(x0, x1), x2), x3);
+}
+
+// The xor butterfly over m partials (m a power of two), serial and in place; returns p[0].
+// For s = m/2 .. 1, p[i] = p[i] + p[i ^ s]. Lanes i and i ^ s end with the same value (fp32
+// addition commutes), so only the lower half needs updating: this is the lanes' order exactly.
+DSQ_HD float canonical_butterfly(float* p, int m) {
+  for (int s = m >> 1; s >= 1; s >>= 1)
+    for (int i = 0; i < s; ++i) p[i] = fadd(p[i], p[i + s]);
+  return p[0];
+}
+
+// The same butterfly across lanes: `p` is this lane's partial, m the number of lanes taking part,
+// `shfl_xor(v, s)` returns v from lane (lane ^ s) (e.g. __shfl_xor_sync(mask, v, s, 32)).
+template <class ShflXor>
+DSQ_HD float canonical_reduce_lanes(float p, int m, ShflXor shfl_xor) {
+  for (int s = m >> 1; s >= 1; s >>= 1) p = fadd(p, shfl_xor(p, s));
+  return p;
+}
+
+// Canonical sum of N = 4m terms term(i), i = 0..N-1, in one thread (N a compile-time constant).
+template <int N, class Term>
+DSQ_HD float canonical_sum_map(Term term) {
+  static_assert(N >= 4 && N % 4 == 0 && ((N / 4) & (N / 4 - 1)) == 0, "N must be 4 * 2^k");
+  float p[N / 4];
+  for (int i = 0; i < N / 4; ++i)
+    p[i] = canonical_partial(term(4 * i), term(4 * i + 1), term(4 * i + 2), term(4 * i + 3));
+  return canonical_butterfly(p, N / 4);
+}
+
+template <int N>
+DSQ_HD float canonical_sum(const float* x) {
+  return canonical_sum_map<N>([x](int i) { return x[i]; });
+}
+
+// Runtime length n = 4m (m a power of two, m <= 256), in one thread.
+DSQ_HD float canonical_sum_n(const float* x, int n) {
+  float p[256];
+  const int m = n / 4;
+  for (int i = 0; i < m; ++i) p[i] = canonical_partial(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  return canonical_butterfly(p, m);
+}
+
+// ---- SPEC §0.7: exp_ds, the one exponential of format math (x <= 0) ----------------------------
+// Out of the domain it mirrors the reference: +Inf is evaluated as 0 (gives 1), x > 0 clamps
+// n to 200 and the exponent to 254.
+DSQ_HD float exp_ds(float x) {
+  if (is_nan(x)) return x;
+  if (is_inf(x) && sign_bit(x)) return 0.0f;
+  const float xs = is_inf(x) ? 0.0f : x;
+  const float n = rint_f(fmul(xs, u2f(0x3FB8AA3Bu)));                        // rint(x * log2 e)
+  const float r = fsub(fsub(xs, fmul(n, u2f(0x3F317200u))), fmul(n, u2f(0x35BFBE8Eu)));
+  const uint32_t poly[6] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu, 0x3F000000u, 0x3F800000u};
+  float a = u2f(0x39500D01u);                                                 // 1/7!
+  for (int k = 0; k < 6; ++k) a = fadd(u2f(poly[k]), fmul(r, a));            // 1/6! .. 1/1!
+  const float p = fadd(1.0f, fmul(r, a));
+  const int ni = static_cast<int>(clamp_hi(clamp_lo(n, -200.0f), 200.0f));
+  if (ni < -151) return 0.0f;
+  auto clamp_e = [](int e) { return e < 1 ? 1 : (e > 254 ? 254 : e); };
+  if (ni >= -126) return fmul(p, pow2(clamp_e(ni + 127)));
+  return fmul(fmul(p, pow2(ni + 191)), pow2(63));                             // one rounding into subnormals
+}
+
+}  // namespace dsq

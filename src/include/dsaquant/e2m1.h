@@ -1,0 +1,88 @@
+// dsaquant/e2m1.h: E2M1 (FP4) codes (SPEC §1), the three rounding policies (SPEC §2), nibble
+// packing, the per-block encoder with the NaN-scale rule (SPEC §3) and the §7.2 stage-1 value.
+#pragma once
+
+#include "arith.h"
+
+namespace dsq {
+
+// SPEC §2 policies. Values match the Python side's order POLICIES = (threshold, rne, hardware).
+enum class Rounding : int { threshold = 0, rne = 1, hardware = 2 };
+
+// SPEC §2: already-scaled fp32 v -> 4-bit code (bit 3 sign, bits 0..2 magnitude index m), the
+// bit-exact emulation used on every target.
+//  m:    number of midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that |v| exceeds; under rne and
+//        hardware a tie at 0.75, 1.75, 3.5 goes up (to the even index), every other tie goes down;
+//        threshold sends every tie down. |v| > 5 (Inf included) gives 7. NaN gives m = 7 (ours).
+//  sign: threshold/rne: set only if v < 0 and m != 0 (so -0, NaN and small negatives give 0x0).
+//        hardware: the sign bit of v, always (-0 -> 0x8, -NaN -> 0xF).
+DSQ_HD uint8_t e2m1_encode(float v, Rounding r) {
+  const float a = abs_f(v);
+  const bool even_up = r != Rounding::threshold;
+  int m = (a > 0.25f) + (even_up ? a >= 0.75f : a > 0.75f) + (a > 1.25f) +
+          (even_up ? a >= 1.75f : a > 1.75f) + (a > 2.5f) + (even_up ? a >= 3.5f : a > 3.5f) + (a > 5.0f);
+  if (is_nan(v)) m = 7;
+  const bool neg = r == Rounding::hardware ? sign_bit(v) : (v < 0.0f && m != 0);
+  return static_cast<uint8_t>((neg ? 8 : 0) | m);
+}
+
+// SPEC §1: code (low nibble) -> fp32; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; 0x8 gives -0.
+DSQ_HD float e2m1_decode(uint8_t code) {
+  const uint32_t m = code & 7u;
+  // m >= 2: (1 + (m & 1) / 2) * 2^((m >> 1) - 1), built from bits; m = 1: 0.5; m = 0: 0.
+  const uint32_t mag = m == 0u ? 0u : (m == 1u ? 0x3F000000u : ((126u + (m >> 1)) << 23) | ((m & 1u) << 22));
+  return u2f(mag | ((code & 8u) ? 0x80000000u : 0u));
+}
+
+// SPEC §1 packing: element 2i in the low nibble, element 2i+1 in the high nibble of byte i.
+DSQ_HD uint8_t pack_nibbles(uint8_t lo, uint8_t hi) {
+  return static_cast<uint8_t>((lo & 0xFu) | ((hi & 0xFu) << 4));
+}
+
+// SPEC §3: every code of a block whose exponent is 255 (a NaN scale, from infinite amax under rule
+// `recip`): sign(x) | 7 under hardware, 7 otherwise (ours).
+DSQ_HD uint8_t e2m1_nan_scale_code(float x, Rounding r) {
+  return static_cast<uint8_t>(r == Rounding::hardware && sign_bit(x) ? 0xF : 0x7);
+}
+
+// SPEC §3 + §2: code of x in a block with biased exponent e (1..255): v = x / 2^(e-127), one
+// correctly rounded division (exact unless v is subnormal, where every policy gives m = 0).
+DSQ_HD uint8_t e2m1_encode_scaled(float x, int e, Rounding r) {
+  if (e == 255) return e2m1_nan_scale_code(x, r);
+  return e2m1_encode(fdiv(x, pow2(e)), r);
+}
+
+// Two consecutive elements (2i, 2i+1) of a block with exponent e -> one packed byte.
+// gfx950, policy hardware: V_CVT_SCALEF32_PK_FP4_F32 (SPEC §2). It divides both inputs by the
+// scale, of which only the exponent is read; src0 goes to the low nibble of the selected byte.
+// Behaviours documented by the SPEC but not yet confirmed on MI355 silicon against the emulation
+// (tests/test_header_builds.py only checks that the instruction is emitted):
+//   - the sign of a NaN input (SPEC: sign of the NaN | 0x7),
+//   - subnormal fp32 inputs and results (the emulation keeps them: SPEC §0.6; they always give m = 0),
+//   - the sign of zero and of negatives that round to zero (SPEC: kept, 0x8),
+//   - ±Inf inputs (SPEC: saturate, sign | 0x7), and whether any scale mantissa bit is read.
+// e = 255 never reaches the instruction: SPEC §3's NaN-scale rule is applied first.
+DSQ_HD uint8_t e2m1_encode_pair(float x_even, float x_odd, int e, Rounding r) {
+#if defined(__gfx950__)
+  if (r == Rounding::hardware && e != 255)
+    return static_cast<uint8_t>(__builtin_amdgcn_cvt_scalef32_pk_fp4_f32(0u, x_even, x_odd, pow2(e), 0) & 0xFFu);
+#endif
+  return pack_nibbles(e2m1_encode_scaled(x_even, e, r), e2m1_encode_scaled(x_odd, e, r));
+}
+
+// One block of 32 fp32 values with exponent e -> 16 packed bytes (SPEC §1-§3).
+DSQ_HD void fp4_encode_block32(const float* x, int e, Rounding r, uint8_t* out16) {
+  for (int i = 0; i < 16; ++i) out16[i] = e2m1_encode_pair(x[2 * i], x[2 * i + 1], e, r);
+}
+
+// SPEC §7.2 stage 1 for one element with block scale s (s = pow2(e)): y = clamp(x / s, -6, 6);
+// |y| rounded half to even onto the grid, given the sign of y (a zero y counts as positive:
+// -0 -> +0, small negatives -> -0); times s. NaN stays NaN. Callers round the result to bf16.
+DSQ_HD float fp4_fake_quant_value(float x, float s) {
+  const float y = clamp_hi(clamp_lo(fdiv(x, s), -6.0f), 6.0f);
+  if (is_nan(y)) return y;
+  const float q = e2m1_decode(e2m1_encode(abs_f(y), Rounding::rne) & 7u);
+  return fmul(y < 0.0f ? -q : q, s);
+}
+
+}  // namespace dsq
