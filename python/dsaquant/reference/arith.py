@@ -89,11 +89,26 @@ def canonical_sum(x: torch.Tensor) -> torch.Tensor:
     return p[..., 0]
 
 
+CANONICAL_NAN_BITS = 0x7FC00000
+
+
+def canon_nan(x: torch.Tensor) -> torch.Tensor:
+    """Replace every NaN by the canonical quiet NaN +0x7FC00000 (fp32).
+
+    The sign and payload of a NaN produced by arithmetic differ by platform (NVIDIA GPUs return a
+    positive canonical NaN; x86 and AMD propagate an operand's). Every op canonicalises NaN where the
+    sign could reach a byte: at the entry of each quantizer and at each rounding to bf16/fp16, so
+    a NaN inside an op always encodes as positive (docs/semantics.md, "NaN inside ops")."""
+    x = x.to(F32)
+    return torch.where(torch.isnan(x), from_bits(torch.full_like(x, CANONICAL_NAN_BITS, dtype=torch.int32)), x)
+
+
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SPEC §0.4: round fp32 to `dtype` (bf16/fp16, nearest-even, NaN kept) and back to fp32."""
+    """SPEC §0.4: round fp32 to `dtype` (bf16/fp16, nearest-even) and back to fp32; NaN becomes the
+    canonical NaN (see canon_nan)."""
     if dtype == F32:
-        return x.to(F32)
-    return x.to(F32).to(dtype).to(F32)
+        return canon_nan(x)
+    return canon_nan(x.to(F32).to(dtype).to(F32))
 
 
 # SPEC §0.7 constants, by their bits.

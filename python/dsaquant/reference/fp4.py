@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .arith import F32, INV6, bits, ceil_exp, f32_from_bits, nan_amax, pow2, round_to
+from .arith import F32, INV6, bits, canon_nan, ceil_exp, f32_from_bits, nan_amax, pow2, round_to
 
 POLICIES = ("threshold", "rne", "hardware")
 SCALE_RULES = ("pack", "recip")
@@ -76,16 +76,18 @@ def ue8m0_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., n] -> canonical-NaN fp32 [..., n/block, block] (a quantizer's entry, see canon_nan)."""
     n = x.shape[-1]
     if n % block:
         raise ValueError(f"last dim {n} is not a multiple of the block size {block}")
-    return x.to(F32).reshape(*x.shape[:-1], n // block, block)
+    return canon_nan(x).reshape(*x.shape[:-1], n // block, block)
 
 
 def fp4_quantize(x: torch.Tensor, rounding: str = "rne", rule: str = "recip", block: int = 32):
     """SPEC §3 + §2: x [..., n] (any float dtype, converted exactly) -> (packed uint8 [..., n/2],
     exponents uint8 [..., n/block]). A NaN-scale block (e = 255) gets `sign|7` codes under
-    `hardware` and 7 otherwise."""
+    `hardware` and 7 otherwise. NaN elements are canonical (positive) first: they give 0x7 under
+    every policy (unlike the raw `e2m1_encode`, whose input NaN keeps its sign)."""
     check_policy(rounding)
     xb = _blocks(x, block)
     e = ue8m0_exponent(nan_amax(xb, -1), rule)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .arith import F32, bits, ceil_exp, f32_from_bits, nan_amax, pow2
+from .arith import F32, bits, canon_nan, ceil_exp, f32_from_bits, nan_amax, pow2
 
 # flavour -> (exponent bias, max finite value, NaN code)
 FLAVOURS = {"e4m3fn": (7, 448.0, 0x7F), "e4m3fnuz": (8, 240.0, 0x80)}
@@ -83,8 +83,8 @@ def fp8_quantize(x: torch.Tensor, flavour: str = "e4m3fn", role: str = "k", scal
     n = x.shape[-1]
     if n % block:
         raise ValueError(f"last dim {n} is not a multiple of the block size {block}")
-    xb = x.to(F32).reshape(*x.shape[:-1], n // block, block)
+    xb = canon_nan(x).reshape(*x.shape[:-1], n // block, block)
     s = fp8_scale(nan_amax(xb, -1), flavour, role, scale_fmt)
     inv = 1.0 / s
-    codes = fp8_encode(xb * inv.unsqueeze(-1), flavour)
+    codes = fp8_encode(canon_nan(xb * inv.unsqueeze(-1)), flavour)
     return codes.reshape(x.shape), s

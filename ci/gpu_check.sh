@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU check: build the CUDA module, run the GPU test suite, the benchmark and compute-sanitizer, in
+# one call on a GPU machine. Logs go to $OUT (default ./gpu_out). Usage: ci/gpu_check.sh [cuda|hip]
+#   GPU_CHECK_PARTS="build tests bench sanitize" selects parts.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BACKEND=${1:-cuda}
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+PARTS=${GPU_CHECK_PARTS:-"build tests bench sanitize"}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+status=0
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if has build; then
+  if [ "$BACKEND" = cuda ]; then
+    ( time DSAQUANT_CUDA_ARCHS=${DSAQUANT_CUDA_ARCHS:-90a} python3 tools/build_native.py cuda ) \
+      >"$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+  else
+    ( time DSAQUANT_BUILD_HIP=1 python3 setup.py -q build_ext --inplace ) >"$OUT/build.log" 2>&1 \
+      || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+  fi
+  tail -3 "$OUT/build.log"
+fi
+python3 -m dsaquant info | tee "$OUT/info.txt"
+if has tests; then
+  DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout 420 python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu ${GPU_TESTS_ARGS:-} >"$OUT/gpu_tests.log" 2>&1 || status=1
+  tail -25 "$OUT/gpu_tests.log"
+fi
+if has bench; then
+  timeout 300 python3 -m dsaquant bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1 || status=1
+  cat "$OUT/bench.md" 2>/dev/null || tail -20 "$OUT/bench.log"
+fi
+if has sanitize && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck initcheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 ci/sanitize_cases.py "$BACKEND" \
+      >"$OUT/sanitizer_$tool.log" 2>&1; rc=$?
+    echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|sanitize cases done' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+exit $status

@@ -1,0 +1,109 @@
+// kernels/cuda/indexer.cu: SPEC §7.1 indexer_qk_rope_quant_and_cache, FP8 and FP4 modes, one launch.
+//
+// Work items are 128-wide rows: the T*H q rows first (token-major, so consecutive groups read
+// consecutive memory), then the T k rows. Each 16-lane group takes one row (row16.cuh), so a block
+// of 256 threads handles 16 rows. Grid: ceil((T*H + T) / 16) blocks (1-D, no 65535 limit).
+#include "indexer.h"
+#include "row16.cuh"
+
+namespace dsqk {
+
+// weights_out[t, h] in its dtype (fp32, or rounded to bf16/fp16).
+__device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, int64_t h, float w) {
+  const int64_t i = t * a.H + h;
+  if (a.w_out_dt == kF32)
+    static_cast<float*>(a.w_out)[i] = w;
+  else
+    static_cast<uint16_t*>(a.w_out)[i] = to_half_bits(w, a.w_out_dt);
+}
+
+__global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
+  const int lane = threadIdx.x & 15;
+  const unsigned mask = group_mask();
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
+  const int64_t q_rows = a.T * a.H;
+  if (row >= q_rows + a.T) return;
+  const bool is_q = row < q_rows;
+  const int64_t t = is_q ? row / a.H : row - q_rows;
+  const int64_t h = is_q ? row % a.H : 0;
+  const int64_t slot = load_i(a.slots, t, a.slots_dt);
+  if (is_q ? (!a.compute_all && slot < 0) : slot < 0) return;
+  const int64_t capacity = a.num_blocks * a.P;
+  if (!is_q && slot >= capacity) {
+    if (lane == 0) atomicOr(a.err_flag, 1);
+    return;
+  }
+  const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, 1);
+
+  float v[kVals];
+  if (is_q) {
+    load_row8(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, a.in_dt, lane, a.q_vec, v);
+  } else {
+    load_row8(static_cast<const uint16_t*>(a.k) + t * a.k_st, a.in_dt, lane, a.k_vec, v);
+    // LayerNorm (SPEC §5): mean = S(x)/128, d = x - mean, var = S(d*d)/128, y = fl(fl(d*inv)*w) + b.
+    const float mean = fdiv(row_sum(mask, v), 128.0f);
+    float d2[kVals];
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) { v[e] = fsub(v[e], mean); d2[e] = fmul(v[e], v[e]); }
+    const float inv = inv_sqrt_eps(fdiv(row_sum(mask, d2), 128.0f), a.eps);
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) {
+      const int d = kVals * lane + e;
+      v[e] = round_to(layer_norm_apply(v[e], inv, load_f(a.norm_w, d, a.norm_w_dt), load_f(a.norm_b, d, a.norm_b_dt)),
+                      a.in_dt);
+    }
+  }
+  rope_row(mask, lane, v, a.rope, pos, a.neox, /*tail=*/false);
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) v[e] = round_to(v[e], a.in_dt);
+
+  if (a.fp4) {
+    int e;
+    const uint32_t word = fp4_quant8(mask, v, ScaleRule::recip, static_cast<Rounding>(a.rounding), e);
+    const bool first = (lane & 3) == 0;
+    const int g = lane >> 2;
+    if (is_q) {
+      reinterpret_cast<uint32_t*>(a.q_out + row * 64)[lane] = word;
+      if (first) {
+        a.q_scale_out[aiter_q_scale_offset(t, h, g, a.H)] = static_cast<uint8_t>(e);
+        if (h < 16)   // pad entries h/16 >= H/16 of this (t, g, h % 16) are written 0
+          for (int64_t hp = a.H; hp < aiter_q_scale_pad(a.H) * 16; hp += 16)
+            a.q_scale_out[aiter_q_scale_offset(t, hp + h, g, a.H)] = 0;
+      }
+      if (lane == 0) store_weight(a, t, h, load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt));
+    } else {
+      *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = word;
+      if (first) a.kv_scale[aiter_fp4_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
+    }
+    return;
+  }
+  // FP8 mode (SPEC §4): one scale per row.
+  const Fp8Flavour fl = static_cast<Fp8Flavour>(a.flavour);
+  const float s = fp8_row_scale(group_amax(mask, v, kLanes), fl, is_q ? Fp8Role::q : Fp8Role::k, a.ue8m0);
+  const float inv = fp8_inv_scale(s);
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    lo |= static_cast<uint32_t>(fp8_encode(canon(fmul(v[e], inv)), fl)) << (8 * e);
+    hi |= static_cast<uint32_t>(fp8_encode(canon(fmul(v[e + 4], inv)), fl)) << (8 * e);
+  }
+  if (is_q) {
+    reinterpret_cast<uint2*>(a.q_out + row * 128)[lane] = make_uint2(lo, hi);
+    if (lane == 0)
+      store_weight(a, t, h, fmul(fmul(load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt), s), a.weights_scale));
+  } else {
+    *reinterpret_cast<uint2*>(a.kv_cache + fp8_132_data_offset(slot, a.P, kVals * lane, a.preshuffle)) =
+        make_uint2(lo, hi);
+    if (lane == 0) *reinterpret_cast<float*>(a.kv_cache + fp8_132_scale_offset(slot, a.P)) = s;
+  }
+}
+
+}  // namespace dsqk
+
+int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
+  const int64_t rows = a.T * a.H + a.T;
+  if (rows == 0) return 0;
+  const int64_t blocks = (rows + 15) / 16;
+  dsqk::indexer_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}

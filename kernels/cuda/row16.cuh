@@ -1,0 +1,189 @@
+// kernels/cuda/row16.cuh: one 128-wide row held by a group of 16 lanes, 8 consecutive values each.
+//
+// Lane l (0..15 within its half-warp) holds x[8l .. 8l+7]. The helpers below are the shared header's
+// math (src/include/dsaquant) distributed over those lanes, nothing more:
+//   - the canonical sum (SPEC §0.2): lane l owns partials 2l and 2l+1; the butterfly steps s = 16..2
+//     pair partial i with i ^ s, i.e. lane l with lane l ^ (s/2); s = 1 pairs the lane's two partials.
+//   - amax over the row (16 lanes) or over one block of 32 (4 lanes).
+//   - RoPE (SPEC §5): neox partners (j, j+32) sit 4 lanes apart; interleaved pairs sit inside a lane.
+//   - the 128-point Hadamard (SPEC §5): h = 1, 2, 4 inside a lane, h = 8..64 between lanes l, l ^ (h/8).
+// Every lane of the 16-lane group must call these helpers together (they shuffle).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "dsaquant/dsaquant.h"
+#include "dsaquant/fake_quant.h"
+#include "indexer.h"
+
+namespace dsqk {
+
+using namespace dsq;
+
+constexpr int kLanes = 16;   // lanes per row
+constexpr int kVals = 8;     // values per lane
+
+// Shuffles inside the 16-lane group (width 16). `mask` names the group's lanes in the warp.
+__device__ __forceinline__ float shfl_xor16(unsigned mask, float v, int s) {
+  return __shfl_xor_sync(mask, v, s, kLanes);
+}
+__device__ __forceinline__ unsigned group_mask() {
+  return (threadIdx.x & 16) ? 0xFFFF0000u : 0x0000FFFFu;
+}
+
+// Element types of the inputs, by a runtime code (dtype codes shared with the Python glue).
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4 };
+
+__device__ __forceinline__ float load_f(const void* p, int64_t i, int dt) {
+  if (dt == kF32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return dt == kBF16 ? bf16_to_f32(h) : fp16_to_f32(h);
+}
+__device__ __forceinline__ int64_t load_i(const void* p, int64_t i, int dt) {
+  return dt == kI64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+__device__ __forceinline__ float round_to(float x, int dt) {
+  if (dt == kBF16) return round_to_bf16(x);
+  if (dt == kF16) return round_to_fp16(x);
+  return canon_nan(x);
+}
+__device__ __forceinline__ uint16_t to_half_bits(float x, int dt) {
+  return dt == kBF16 ? round_bf16(x) : round_fp16(x);
+}
+__device__ __forceinline__ float canon(float x) { return canon_nan(x); }
+
+// Load the lane's 8 values of a 16-bit (bf16/fp16) or fp32 row starting at `row` (element pointer).
+__device__ __forceinline__ void load_row8(const void* row, int dt, int lane, bool vec, float (&v)[kVals]) {
+  if (dt == kF32) {
+    const float* r = static_cast<const float*>(row) + kVals * lane;
+    if (vec) {
+      const float4 a = reinterpret_cast<const float4*>(r)[0], b = reinterpret_cast<const float4*>(r)[1];
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVals; ++e) v[e] = r[e];
+    }
+    return;
+  }
+  const uint16_t* r = static_cast<const uint16_t*>(row) + kVals * lane;
+  uint16_t h[kVals];
+  if (vec) {
+    const uint4 u = *reinterpret_cast<const uint4*>(r);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { h[2 * e] = w[e] & 0xFFFFu; h[2 * e + 1] = w[e] >> 16; }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) h[e] = r[e];
+  }
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) v[e] = dt == kBF16 ? bf16_to_f32(h[e]) : fp16_to_f32(h[e]);
+}
+
+// SPEC §0.2 canonical sum of a row of 128 whose lane holds terms t[0..7]; every lane gets the sum.
+__device__ __forceinline__ float row_sum(unsigned mask, const float (&t)[kVals]) {
+  float p0 = canonical_partial(t[0], t[1], t[2], t[3]);
+  float p1 = canonical_partial(t[4], t[5], t[6], t[7]);
+#pragma unroll
+  for (int s = 8; s >= 1; s >>= 1) {   // partial strides 16, 8, 4, 2
+    p0 = fadd(p0, shfl_xor16(mask, p0, s));
+    p1 = fadd(p1, shfl_xor16(mask, p1, s));
+  }
+  return fadd(p0, p1);                  // partial stride 1
+}
+
+// SPEC §0.3 amax of the lane's values, then over `lanes` lanes (16: the row; 4: a block of 32).
+__device__ __forceinline__ float group_amax(unsigned mask, const float (&v)[kVals], int lanes) {
+  float a = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) a = fmax_nn(a, abs_f(v[e]));
+  for (int s = lanes >> 1; s >= 1; s >>= 1) a = fmax_nn(a, shfl_xor16(mask, a, s));
+  return a;
+}
+
+// One (cos, sin) pair of a table (indexer.h RopeArgs) at position p, index j (0..31).
+__device__ __forceinline__ void rope_load(const RopeArgs& t, int64_t p, int j, float& c, float& s) {
+  if (t.pairs) {
+    const float* f = static_cast<const float*>(t.cos) + p * t.row_stride + 2 * j;
+    c = f[0];
+    s = f[1];
+  } else {
+    c = load_f(t.cos, p * t.row_stride + j, t.dtype);
+    s = load_f(t.sin, p * t.row_stride + j, t.dtype);
+  }
+}
+
+// SPEC §5 RoPE on the row's rope dims (head: 0..63 = lanes 0..7; tail: 64..127 = lanes 8..15).
+__device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVals], const RopeArgs& tab,
+                                         int64_t pos, bool neox, bool tail) {
+  const int base = tail ? 8 : 0;
+  const bool mine = lane >= base && lane < base + 8;
+  const int rl = lane - base;   // lane within the rope dims (0..7 when mine)
+  if (neox) {
+    // Partner lane holds dims +-32: lanes rl and rl ^ 4. Every lane shuffles (uniform control flow).
+    float other[kVals];
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) other[e] = shfl_xor16(mask, v[e], 4);
+    if (!mine) return;
+    const bool first = rl < 4;   // holds a = x[j], partner holds b = x[j + 32]
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) {
+      float c, s;
+      rope_load(tab, pos, 8 * (rl & 3) + e, c, s);
+      float a = first ? v[e] : other[e], b = first ? other[e] : v[e];
+      rope_pair(a, b, c, s);
+      v[e] = first ? a : b;
+    }
+  } else {
+    if (!mine) return;
+#pragma unroll
+    for (int e = 0; e < kVals; e += 2) {
+      float c, s;
+      rope_load(tab, pos, 4 * rl + e / 2, c, s);
+      rope_pair(v[e], v[e + 1], c, s);
+    }
+  }
+}
+
+// SPEC §5 Hadamard over the 128 row (Sylvester order), then times fl(128^-0.5).
+__device__ __forceinline__ void hadamard_row(unsigned mask, int lane, float (&v)[kVals]) {
+#pragma unroll
+  for (int h = 1; h < kVals; h <<= 1) {
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) {
+      if (e & h) continue;
+      const float a = v[e], b = v[e + h];
+      v[e] = fadd(a, b);
+      v[e + h] = fsub(a, b);
+    }
+  }
+#pragma unroll
+  for (int s = 1; s < kLanes; s <<= 1) {   // element stride h = 8 * s
+    const bool upper = lane & s;
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) {
+      const float o = shfl_xor16(mask, v[e], s);
+      v[e] = upper ? fsub(o, v[e]) : fadd(v[e], o);
+    }
+  }
+  const float c = hadamard_scale(128);
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) v[e] = fmul(v[e], c);
+}
+
+// FP4 (SPEC §2-§3) of the lane's 8 values, a quarter of one block of 32: returns the block's exponent
+// (same on the block's 4 lanes) and the 4 packed bytes as one little-endian word.
+__device__ __forceinline__ uint32_t fp4_quant8(unsigned mask, const float (&v)[kVals], ScaleRule rule, Rounding r,
+                                               int& e_out) {
+  const int e = ue8m0_exponent(group_amax(mask, v, 4), rule);
+  uint32_t word = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    word |= static_cast<uint32_t>(e2m1_encode_pair(canon(v[2 * i]), canon(v[2 * i + 1]), e, r)) << (8 * i);
+  e_out = e;
+  return word;
+}
+
+}  // namespace dsqk

@@ -1,0 +1,119 @@
+// kernels/cuda/sglang.cu: SPEC §7.2 (sglang-v41 k writer, q packer, rope + fake quant) and §7.3 (aiter's
+// DeepSeek-V4 k writer). One 16-lane group per 128-wide row (row16.cuh), 16 rows per 256-thread block.
+#include "indexer.h"
+#include "row16.cuh"
+
+namespace dsqk {
+
+// SPEC §7.2 stage 1 (recip fake-quant, rounded to bf16) then stage 2 (rule pack, codes by `r`):
+// returns the lane's 4 payload bytes and the block's stage-2 exponent.
+__device__ __forceinline__ uint32_t two_stage(unsigned mask, float (&v)[kVals], Rounding r, int& e2) {
+  const float s1 = pow2(ue8m0_exponent(group_amax(mask, v, 4), ScaleRule::recip));
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) v[e] = round_to_bf16(fp4_fake_quant_value(canon(v[e]), s1));
+  return fp4_quant8(mask, v, ScaleRule::pack, r, e2);
+}
+
+__global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
+  const int lane = threadIdx.x & 15;
+  const unsigned mask = group_mask();
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
+  if (t >= a.T) return;
+  const int64_t slot = load_i(a.slots, t, a.slots_dt);
+  const bool v41 = a.mode == 0;
+  if (slot < (v41 ? 1 : 0)) return;                 // §7.2: slot 0 reserved; negative slots skipped
+  const int64_t capacity = a.mode == 2 ? a.num_blocks : a.num_blocks * a.P;
+  if (slot >= capacity) {
+    if (lane == 0) atomicOr(a.err_flag, 1);
+    return;
+  }
+  float v[kVals];
+  load_row8(static_cast<const char*>(a.k) + t * a.k_st * (a.in_dt == kF32 ? 4 : 2), a.in_dt, lane, a.k_vec, v);
+  // RMSNorm (SPEC §5): inv = 1/sqrt(S(x*x)/128 + eps), y = fl(w * fl(x*inv)).
+  float sq[kVals];
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) sq[e] = fmul(v[e], v[e]);
+  const float inv = inv_sqrt_eps(fdiv(row_sum(mask, sq), 128.0f), a.eps);
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) {
+    v[e] = rms_norm_apply(v[e], inv, load_f(a.norm_w, kVals * lane + e, a.norm_w_dt));
+    if (v41) v[e] = round_to(v[e], a.in_dt);
+  }
+  const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, a.compress_ratio);
+  rope_row(mask, lane, v, a.rope, pos, /*neox=*/false, /*tail=*/true);
+  const Rounding r = static_cast<Rounding>(a.rounding);
+  const int g = lane >> 2;
+  const bool first = (lane & 3) == 0;
+  int e;
+  if (v41) {
+#pragma unroll
+    for (int i = 0; i < kVals; ++i) v[i] = round_to(v[i], a.in_dt);
+    const uint32_t word = two_stage(mask, v, r, e);
+    *reinterpret_cast<uint32_t*>(a.cache + packed68_payload_offset(slot, a.P, 4 * lane)) = word;
+    if (first) a.cache[packed68_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
+    return;
+  }
+  if (a.hadamard) hadamard_row(mask, lane, v);
+  const uint32_t word = fp4_quant8(mask, v, ScaleRule::recip, r, e);
+  if (a.mode == 1) {
+    *reinterpret_cast<uint32_t*>(a.cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = word;
+    if (first) a.cache_scale[aiter_fp4_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
+  } else {
+    reinterpret_cast<uint32_t*>(a.cache + slot * 64)[lane] = word;
+    if (first) a.cache_scale[slot * 4 + g] = static_cast<uint8_t>(e);
+  }
+}
+
+__global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
+  const int lane = threadIdx.x & 15;
+  const unsigned mask = group_mask();
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
+  if (row >= a.T * a.H) return;
+  const int64_t t = row / a.H, h = row % a.H;
+  float v[kVals];
+  load_row8(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, a.in_dt, lane, a.q_vec, v);
+  const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, a.compress_ratio);
+  rope_row(mask, lane, v, a.rope, pos, /*neox=*/false, /*tail=*/true);
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) v[e] = round_to(v[e], a.in_dt);
+  if (a.mode == 0) {
+    int e;
+    const uint32_t word = two_stage(mask, v, static_cast<Rounding>(a.rounding), e);
+    reinterpret_cast<uint32_t*>(a.payload + row * 64)[lane] = word;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) packed |= static_cast<uint32_t>(__shfl_sync(mask, e, 4 * g, kLanes) & 0xFF) << (8 * g);
+    if (lane == 0) {
+      a.exps[row] = static_cast<int32_t>(packed);
+      a.w_out[row] = round_to_bf16(fmul(load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt), a.weight_scale));
+    }
+    return;
+  }
+  // rope_fake_quant_fp4: stage 1 alone, ue8m0 scales on blocks of 32 or e4m3 scales on blocks of 16.
+  const float amax = group_amax(mask, v, a.mode == 1 ? 4 : 2);
+  const float s = a.mode == 1 ? pow2(ue8m0_exponent(amax, ScaleRule::recip)) : nvfp4_e4m3_scale(amax);
+  uint16_t hbits[kVals];
+#pragma unroll
+  for (int e = 0; e < kVals; ++e) hbits[e] = to_half_bits(fp4_fake_quant_value(canon(v[e]), s), a.in_dt);
+  uint4 out;
+  out.x = hbits[0] | (static_cast<uint32_t>(hbits[1]) << 16);
+  out.y = hbits[2] | (static_cast<uint32_t>(hbits[3]) << 16);
+  out.z = hbits[4] | (static_cast<uint32_t>(hbits[5]) << 16);
+  out.w = hbits[6] | (static_cast<uint32_t>(hbits[7]) << 16);
+  reinterpret_cast<uint4*>(a.fq_out + row * 128)[lane] = out;
+}
+
+}  // namespace dsqk
+
+int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream) {
+  if (a.T == 0) return 0;
+  dsqk::kstore_kernel<<<static_cast<unsigned>((a.T + 15) / 16), 256, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream) {
+  const int64_t rows = a.T * a.H;
+  if (rows == 0) return 0;
+  dsqk::qpack_kernel<<<static_cast<unsigned>((rows + 15) / 16), 256, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}

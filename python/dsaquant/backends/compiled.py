@@ -1,0 +1,126 @@
+"""Glue between the ops and a compiled module (dsaquant._cuda or dsaquant._hip).
+
+Each function here has the reference function's signature (python/dsaquant/reference/ops.py), turns
+its tensors into raw pointers, element strides and dtype codes (kernels/cuda/row16.cuh `DType`), and
+calls the module with the current stream. No host synchronisation; CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import errors
+from ..dispatch import register
+from ..reference.fp4 import POLICIES
+
+DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4}
+FLAVOUR = {"e4m3fn": 0, "e4m3fnuz": 1}
+
+
+def _p(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def _vec(t: torch.Tensor, *strides: int) -> bool:
+    """True when every row of t starts on a 16-byte boundary (vector loads are safe)."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in strides)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _rope(positions, cos_cache=None, sin_cache=None, freqs=None):
+    if freqs is not None:
+        return dict(rope_cos=freqs.data_ptr(), rope_sin=0, rope_stride=freqs.stride(0), rope_max_pos=freqs.shape[0],
+                    rope_dt=0, rope_pairs=True), (freqs,)
+    if cos_cache.stride(0) != sin_cache.stride(0):
+        cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
+    return dict(rope_cos=cos_cache.data_ptr(), rope_sin=sin_cache.data_ptr(), rope_stride=cos_cache.stride(0),
+                rope_max_pos=cos_cache.shape[0], rope_dt=DTYPE[cos_cache.dtype], rope_pairs=False), (cos_cache, sin_cache)
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def make_ops(mod):
+    """The backend functions over compiled module `mod`."""
+
+    def indexer_qk_rope_quant_and_cache(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, norm_weight,
+                                        norm_bias, positions, cos_cache, sin_cache, epsilon, quant_block_size,
+                                        scale_fmt, weights_scale, preshuffle, is_neox, compute_all_q_rope,
+                                        q_scale_out, kv_cache_scale, rounding, fp8_flavour, page_size):
+        T, H = q.shape[0], q.shape[1]
+        nw, nb = _dense(norm_weight), _dense(norm_bias)
+        rope, keep = _rope(positions, cos_cache, sin_cache)
+        args = dict(
+            T=T, H=H, num_blocks=kv_cache.shape[0], P=page_size,
+            q=q.data_ptr(), q_st=q.stride(0), q_sh=q.stride(1), q_vec=_vec(q, q.stride(0), q.stride(1)),
+            k=k.data_ptr(), k_st=k.stride(0), k_vec=_vec(k, k.stride(0)), in_dt=DTYPE[q.dtype],
+            w=weights.data_ptr(), w_st=weights.stride(0), w_sh=weights.stride(1), w_dt=DTYPE[weights.dtype],
+            w_out=weights_out.data_ptr(), w_out_dt=DTYPE[weights_out.dtype], q_out=q_out.data_ptr(),
+            q_scale_out=_p(q_scale_out), kv_cache=kv_cache.data_ptr(), kv_scale=_p(kv_cache_scale),
+            slots=slot_mapping.data_ptr(), slots_dt=DTYPE[slot_mapping.dtype],
+            positions=positions.data_ptr(), pos_dt=DTYPE[positions.dtype],
+            norm_w=nw.data_ptr(), norm_w_dt=DTYPE[nw.dtype], norm_b=nb.data_ptr(), norm_b_dt=DTYPE[nb.dtype],
+            eps=float(epsilon), weights_scale=float(weights_scale), fp4=q_scale_out is not None, neox=bool(is_neox),
+            compute_all=bool(compute_all_q_rope), preshuffle=bool(preshuffle), ue8m0=scale_fmt == "ue8m0",
+            rounding=POLICIES.index(rounding), flavour=FLAVOUR[fp8_flavour],
+            err_flag=errors.flag_tensor(q.device).data_ptr(), **rope)
+        mod.indexer(args, _stream(q))
+        del keep
+
+    def _kstore(k, norm_weight, eps, positions, slots, cache, cache_scale, rope, compress_ratio, rounding, mode,
+                hadamard, num_blocks, page_size):
+        nw = _dense(norm_weight)
+        args = dict(T=k.shape[0], num_blocks=num_blocks, P=page_size, k=k.data_ptr(), k_st=k.stride(0),
+                    k_vec=_vec(k, k.stride(0)), in_dt=DTYPE[k.dtype], norm_w=nw.data_ptr(), norm_w_dt=DTYPE[nw.dtype],
+                    positions=positions.data_ptr(), pos_dt=DTYPE[positions.dtype], slots=slots.data_ptr(),
+                    slots_dt=DTYPE[slots.dtype], compress_ratio=int(compress_ratio), eps=float(eps),
+                    rounding=POLICIES.index(rounding), mode=mode, hadamard=bool(hadamard), cache=cache.data_ptr(),
+                    cache_scale=_p(cache_scale), err_flag=errors.flag_tensor(k.device).data_ptr(), **rope)
+        mod.kstore(args, _stream(k))
+
+    def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, cache, compress_ratio, rounding,
+                                     page_size):
+        rope, _ = _rope(positions, freqs=freqs)
+        _kstore(k, norm_weight, eps, positions, slots, cache, None, rope, compress_ratio, rounding, 0, False,
+                cache.shape[0], page_size)
+
+    def rmsnorm_rope_rotate_fp4quant_kvcache(kv, norm_weight, epsilon, positions, cos_cache, sin_cache, slot_mapping,
+                                             kv_cache, kv_cache_scale, hadamard_on, rounding, layout, page_size):
+        x = kv[:, 0, :] if kv.dim() == 3 else kv
+        rope, keep = _rope(positions, cos_cache, sin_cache)
+        _kstore(x, norm_weight, epsilon, positions, slot_mapping, kv_cache, kv_cache_scale, rope, 1, rounding,
+                1 if layout == "aiter_fp4" else 2, hadamard_on, kv_cache.shape[0], page_size)
+        del keep
+
+    def _qpack(q, positions, freqs, compress_ratio, mode, rounding="rne", w=None, weight_scale=1.0, payload=None,
+               exps=None, w_out=None, fq_out=None):
+        q3 = q if q.dim() == 3 else q.unsqueeze(1)
+        rope, _ = _rope(positions, freqs=freqs)
+        w_ = w if w is not None else q3
+        args = dict(T=q3.shape[0], H=q3.shape[1], q=q3.data_ptr(), q_st=q3.stride(0), q_sh=q3.stride(1),
+                    q_vec=_vec(q3, q3.stride(0), q3.stride(1)), in_dt=DTYPE[q3.dtype], positions=positions.data_ptr(),
+                    pos_dt=DTYPE[positions.dtype], compress_ratio=int(compress_ratio),
+                    rounding=POLICIES.index(rounding), mode=mode, w=_p(w), w_st=w_.stride(0), w_sh=w_.stride(1),
+                    w_dt=DTYPE[w_.dtype], weight_scale=float(weight_scale), payload=_p(payload), exps=_p(exps),
+                    w_out=_p(w_out), fq_out=_p(fq_out), **rope)
+        mod.qpack(args, _stream(q))
+
+    def index_q_rope_pack_weights(q, positions, freqs, head_weights, weight_scale, rounding, payload_out, exps_out,
+                                  weights_out):
+        _qpack(q, positions, freqs, 1, 0, rounding, head_weights, weight_scale, payload_out, exps_out, weights_out)
+
+    def rope_fake_quant_fp4(x, positions, freqs, block, scale, compress_ratio, out):
+        _qpack(x, positions, freqs, compress_ratio, 1 if scale == "ue8m0" else 2, fq_out=out)
+
+    return {f.__name__: f for f in (indexer_qk_rope_quant_and_cache, index_k_norm_rope_pack_store,
+                                    index_q_rope_pack_weights, rope_fake_quant_fp4,
+                                    rmsnorm_rope_rotate_fp4quant_kvcache)}
+
+
+def register_compiled(backend: str, mod) -> None:
+    for name, fn in make_ops(mod).items():
+        register(backend, name, fn)

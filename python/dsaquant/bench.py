@@ -1,0 +1,183 @@
+"""`python -m dsaquant bench`: each op on each GPU backend against the device's copy bandwidth.
+
+Timings are medians of CUDA-event measurements. Large T: each call timed alone, rotating over several
+input sets so the L2 cache does not hold them. Small T (<= 64): the call is captured in a CUDA graph
+(`--graph-calls` copies) and the replay time per call is reported. The bytes moved are the fewest the op
+must move (each input read once, each output written once); GB/s = bytes / time, and "% copy" compares
+with a device-to-device copy (bytes read + written) measured in the same run. The `reference` backend
+on the GPU is the unfused torch (eager) pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from . import dispatch, ops, testing as tt
+
+OUT_KEYS = {
+    "indexer_qk_rope_quant_and_cache": ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"),
+    "index_k_norm_rope_pack_store": ("cache",),
+    "rmsnorm_rope_rotate_fp4quant_kvcache": ("kv_cache", "kv_cache_scale"),
+}
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, GB/s counting bytes read plus bytes written (median)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return 2 * nbytes / statistics.median(times[3:]) / 1e9
+
+
+def time_calls(fn, arg_sets, reps: int = 30) -> float:
+    """Median seconds of one call, rotating over `arg_sets`."""
+    for a in arg_sets:
+        fn(a)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a = arg_sets[i % len(arg_sets)]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return statistics.median(times)
+
+
+def time_graph(fn, args, calls: int = 100, reps: int = 20) -> float:
+    """Median seconds per call when `calls` calls are replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn(args)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3 / calls)
+    return statistics.median(times)
+
+
+def cases(T: int, H: int):
+    """(label, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int)."""
+    def idx_bytes(a):
+        T_, H_ = a["q"].shape[:2]
+        out = _nbytes(a["q_out"]) + _nbytes(a["weights_out"]) + _nbytes(a.get("q_scale_out"))
+        row = 132 if a.get("q_scale_out") is None else 68
+        return _nbytes(a["q"]) + _nbytes(a["k"]) + _nbytes(a["weights"]) + 16 * T_ + out + row * T_
+
+    yield ("indexer FP8", "indexer_qk_rope_quant_and_cache", ops.indexer_qk_rope_quant_and_cache,
+           lambda s: tt.make_indexer(T=T, H=H, mode="fp8", device="cuda", seed=s, extra_pages=0), idx_bytes)
+    yield ("indexer FP4", "indexer_qk_rope_quant_and_cache", ops.indexer_qk_rope_quant_and_cache,
+           lambda s: tt.make_indexer(T=T, H=H, mode="fp4", device="cuda", seed=s, extra_pages=0), idx_bytes)
+    yield ("k pack store (v41)", "index_k_norm_rope_pack_store", ops.index_k_norm_rope_pack_store,
+           lambda s: tt.make_k_store(T=T, device="cuda", seed=s), lambda a: _nbytes(a["k"]) + 16 * T + 68 * T)
+    yield ("q pack weights (v41)", "index_q_rope_pack_weights", ops.index_q_rope_pack_weights,
+           lambda s: tt.make_q_pack(T=T, H=H, device="cuda", seed=s),
+           lambda a: _nbytes(a["q"]) + _nbytes(a["head_weights"]) + 8 * T + (64 + 4 + 4) * T * H)
+    yield ("V4 k writer (aiter)", "rmsnorm_rope_rotate_fp4quant_kvcache", ops.rmsnorm_rope_rotate_fp4quant_kvcache,
+           lambda s: tt.make_v4_k(T=T, device="cuda", seed=s), lambda a: _nbytes(a["kv"]) + 16 * T + 68 * T)
+
+
+def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print):
+    bw = copy_bandwidth()
+    log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s")
+    backends = backends or [b for b in ("cuda", "triton", "reference") if dispatch.available(b)[0]]
+    rows = []
+    for T in tokens:
+        for label, op, fn, make, nbytes in cases(T, heads):
+            sets = [make(s) for s in range(4 if T >= 1024 else 1)]
+            moved = nbytes(sets[0])
+            for b in backends:
+                if op not in dispatch.ops_of(b):
+                    continue
+                call = (lambda a, b=b, fn=fn: fn(**a, backend=b))
+                try:
+                    if T <= 64 and b != "reference":
+                        sec, how = time_graph(call, sets[0], graph_calls), "graph"
+                    else:
+                        sec, how = time_calls(call, sets), "events"
+                except Exception as e:  # report, keep benchmarking the rest
+                    log(f"  {label} T={T} {b}: failed: {type(e).__name__}: {e}")
+                    continue
+                gbs = moved / sec / 1e9
+                rows.append(dict(op=label, tokens=T, heads=heads, backend=b, us=sec * 1e6, gb_s=gbs,
+                                 pct_copy=100 * gbs / bw, bytes=moved, timing=how))
+    scorer_rows = []
+    if "triton" in backends:
+        try:
+            from .triton.scorer import bench_scorer
+            for layout in ("fp8_132", "packed68", "aiter_fp4"):
+                for (B, N, ctx) in ((64, 1, 8192), (4, 4, 32768)):
+                    us, moved, flops = bench_scorer(layout, B, N, heads, ctx)
+                    scorer_rows.append(dict(op=f"paged_mqa_logits {layout}", batch=B, next_n=N, context=ctx,
+                                            backend="triton", us=us, gb_s=moved / us / 1e3,
+                                            pct_copy=100 * moved / us / 1e3 / bw, tflops=flops / us / 1e6))
+        except Exception as e:
+            log(f"  scorer benchmark failed: {type(e).__name__}: {e}")
+    return dict(copy_gb_s=bw, device=torch.cuda.get_device_name(), rows=rows, scorer=scorer_rows)
+
+
+def format_table(res) -> str:
+    out = [f"copy bandwidth (read+write): {res['copy_gb_s']:.0f} GB/s on {res['device']}", "",
+           f"| op | tokens | backend | median µs | GB/s | % copy | timing |", "|---|---:|---|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['op']} | {r['tokens']} | {r['backend']} | {r['us']:.2f} | {r['gb_s']:.0f} | "
+                   f"{r['pct_copy']:.1f} | {r['timing']} |")
+    if res["scorer"]:
+        out += ["", "| scorer | batch | next_n | context | backend | median µs | GB/s | % copy | TFLOP/s |",
+                "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for r in res["scorer"]:
+            out.append(f"| {r['op']} | {r['batch']} | {r['next_n']} | {r['context']} | {r['backend']} | {r['us']:.1f} | "
+                       f"{r['gb_s']:.0f} | {r['pct_copy']:.1f} | {r['tflops']:.1f} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dsaquant bench")
+    p.add_argument("--tokens", default="1,16,64,1024,8192")
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--backends", default=None, help="comma list (default: every available GPU backend)")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA/ROCm GPU (none found); nothing to time")
+        return
+    res = run(tuple(int(t) for t in a.tokens.split(",")), a.heads, a.backends.split(",") if a.backends else None)
+    table = format_table(res)
+    print(table)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(table + "\n")

@@ -1,0 +1,65 @@
+"""Build of the compiled backends; everything else about the package is in pyproject.toml.
+
+dsaquant._cuda is built with nvcc when one is found (CUDA_HOME/bin, PATH, /usr/local/cuda/bin):
+  DSAQUANT_BUILD_CUDA=0 skips it, =1 requires it (the build fails without nvcc), unset: built if possible
+  (a failed build then only warns, and the cuda backend is unavailable).
+  DSAQUANT_CUDA_ARCHS: semicolon list, default "90a;100a" (Hopper and Blackwell).
+The compile itself lives in tools/build_native.py (also runnable without setuptools).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
+from build_native import CUDA_SOURCES, build_cuda, find_nvcc  # noqa: E402
+
+
+class BuildExt(build_ext):
+    """Builds dsaquant._cuda with nvcc, or skips it as configured. A skipped or (in auto mode) failed
+    extension is dropped from the outputs, so the install goes on without it."""
+
+    skipped: set = set()
+
+    def _built(self):
+        return [e for e in self.extensions if e.name not in self.skipped]
+
+    def copy_extensions_to_source(self):
+        self.extensions = self._built()
+        super().copy_extensions_to_source()
+
+    def get_outputs(self):
+        self.extensions = self._built()
+        return super().get_outputs()
+
+    def get_output_mapping(self):
+        self.extensions = self._built()
+        return super().get_output_mapping()
+
+    def build_extension(self, ext):
+        if ext.name != "dsaquant._cuda":
+            return super().build_extension(ext)
+        mode = os.environ.get("DSAQUANT_BUILD_CUDA", "auto")
+        nvcc = find_nvcc()
+        if mode == "0" or (mode == "auto" and nvcc is None):
+            print(f"dsaquant: not building {ext.name} ({'DSAQUANT_BUILD_CUDA=0' if mode == '0' else 'no nvcc found'})")
+            self.skipped.add(ext.name)
+            return
+        if nvcc is None:
+            raise RuntimeError("DSAQUANT_BUILD_CUDA=1 but no nvcc was found (set CUDA_HOME)")
+        try:
+            build_cuda(Path(self.get_ext_fullpath(ext.name)), Path(self.build_temp) / "cuda", nvcc, ext.sources)
+        except (subprocess.CalledProcessError, OSError) as e:
+            if mode == "1":
+                raise
+            self.skipped.add(ext.name)
+            print(f"dsaquant: WARNING: building {ext.name} failed ({e}); the cuda backend will be unavailable",
+                  file=sys.stderr)
+
+
+setup(ext_modules=[Extension("dsaquant._cuda", sources=CUDA_SOURCES)], cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,150 @@
+"""Byte-exact grid on a GPU: every compiled/Triton backend against the reference, same inputs.
+
+Run by ci/gpu_check.sh on the H200 (skipped without CUDA). Outputs are poisoned before each run, so a
+byte a backend fails to write (or writes where it must not: skipped rows, pad entries, reserved slot 0)
+is a mismatch. The count of compared bytes and mismatches per backend is printed at the end
+(tests/gpu/conftest.py) and must show 0 mismatches.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import dsaquant as dq
+from dsaquant import dispatch, testing as tt
+
+from .counts import record
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEV = torch.device("cuda")
+BACKENDS = [b for b in ("cuda", "triton") if dispatch.available(b)[0]]
+T_GRID = (1, 5, 64, 300, 4096)
+H_GRID = (16, 32, 64, 128)
+SCALES = (1.0, 40.0, 1e-3, 1e-30)
+POLICIES = ("threshold", "rne", "hardware")
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def inject_specials(x: torch.Tensor) -> torch.Tensor:
+    """Rows 0..3 of x [T, (H,) 128] become: all zero; E2M1 midpoints (dims 64..127 of a block of amax 6,
+    untouched by head RoPE); NaN, +Inf, -Inf elements; a tiny subnormal-heavy row."""
+    x = x.clone()
+    rows = x.shape[0]
+    if rows > 0:
+        x[0] = 0
+    if rows > 1:
+        mid = torch.tensor(MIDPOINTS + (6.0,), dtype=torch.float32)
+        pat = torch.cat([mid, -mid, mid.flip(0), -mid.flip(0)]).repeat(2)[:64]
+        x[1, ..., 64:] = pat.to(x.dtype).to(x.device)
+    if rows > 2:
+        x[2, ..., 3] = float("nan")
+        x[2, ..., 70] = float("inf")
+        x[2, ..., 100] = float("-inf")
+    if rows > 3:
+        x[3] = x[3] * 1e-38
+    return x
+
+
+def clone_args(args: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def compare(name: str, backend: str, outs_ref, outs_be, label: str):
+    bad = 0
+    total = 0
+    for r, b in zip(outs_ref, outs_be):
+        rb, bb = r.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        total += rb.numel()
+        bad += int((rb != bb).sum())
+    record(backend, name, total, bad)
+    assert bad == 0, f"{backend} {name} {label}: {bad} of {total} bytes differ from the reference"
+
+
+def run_pair(fn, args: dict, out_keys, backend: str, name: str, label: str, returns=False):
+    a_ref, a_be = clone_args(args), clone_args(args)
+    r_ref = fn(**a_ref, backend="reference")
+    r_be = fn(**a_be, backend=backend)
+    torch.cuda.synchronize()
+    if returns:
+        outs_ref, outs_be = (r_ref if isinstance(r_ref, tuple) else (r_ref,)), (r_be if isinstance(r_be, tuple) else (r_be,))
+    else:
+        outs_ref, outs_be = [a_ref[k] for k in out_keys if a_ref.get(k) is not None], \
+                            [a_be[k] for k in out_keys if a_be.get(k) is not None]
+    compare(name, backend, outs_ref, outs_be, label)
+
+
+def indexer_cases():
+    """(T, H, mode, scale, policy, neox, preshuffle, scale_fmt, pos dtype, compute_all, fp8 dtype)."""
+    cases = []
+    for i, (T, H) in enumerate(itertools.product(T_GRID, H_GRID)):
+        for mode in ("fp8", "fp4"):
+            cases.append((T, H, mode, SCALES[i % 4], POLICIES[i % 3], bool(i % 2), bool((i // 2) % 2),
+                          "ue8m0" if i % 3 else None, torch.int32 if i % 2 else torch.int64, i % 5 == 0,
+                          torch.float8_e4m3fnuz if i % 4 == 3 else torch.float8_e4m3fn))
+    return cases
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", indexer_cases(), ids=lambda c: f"T{c[0]}-H{c[1]}-{c[2]}-s{c[3]:g}-{c[4]}")
+def test_indexer(backend, case):
+    T, H, mode, scale, policy, neox, presh, sfmt, pdt, call, f8 = case
+    a = tt.make_indexer(T=T, H=H, mode=mode, device=DEV, seed=T * 131 + H, scale=scale, rounding=policy,
+                        is_neox=neox, preshuffle=presh, scale_fmt=sfmt, pos_dtype=pdt, compute_all_q_rope=call,
+                        fp8_dtype=f8)
+    a["q"], a["k"] = inject_specials(a["q"]), inject_specials(a["k"])
+    run_pair(dq.indexer_qk_rope_quant_and_cache, a,
+             ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"), backend, "indexer", str(case))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", T_GRID)
+@pytest.mark.parametrize("ratio", (1, 2, 4))
+def test_k_store(backend, T, ratio):
+    for i, policy in enumerate(POLICIES):
+        a = tt.make_k_store(T=T, device=DEV, seed=T + ratio * 7 + i, scale=SCALES[(T + i) % 4],
+                            compress_ratio=ratio, rounding=policy)
+        a["k"] = inject_specials(a["k"])
+        if i == 1:
+            a["positions"] = a["positions"].to(torch.int32)
+        run_pair(dq.index_k_norm_rope_pack_store, a, ("cache",), backend, "index_k_norm_rope_pack_store",
+                 f"T{T} r{ratio} {policy}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,H", list(itertools.product((1, 5, 64, 300), H_GRID)))
+def test_q_pack(backend, T, H):
+    for i, policy in enumerate(POLICIES):
+        a = tt.make_q_pack(T=T, H=H, device=DEV, seed=T * H + i, scale=SCALES[(H + i) % 4], rounding=policy)
+        a["q"] = inject_specials(a["q"])
+        run_pair(dq.index_q_rope_pack_weights, a, (), backend, "index_q_rope_pack_weights", f"T{T} H{H} {policy}",
+                 returns=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", (1, 5, 64, 300))
+@pytest.mark.parametrize("variant", ((32, "ue8m0", 1), (16, "e4m3", 1), (32, "ue8m0", 4)))
+def test_rope_fake_quant(backend, T, variant):
+    block, scale, ratio = variant
+    for dtype in (torch.bfloat16, torch.float16):
+        a = tt.make_q_pack(T=T, H=8, device=DEV, seed=T + block, scale=SCALES[T % 4], dtype=dtype)
+        x = inject_specials(a["q"])
+        args = dict(x=x, positions=a["positions"], freqs=a["freqs"], block=block, scale=scale, compress_ratio=ratio)
+        run_pair(dq.rope_fake_quant_fp4, args, (), backend, "rope_fake_quant_fp4", f"T{T} {variant} {dtype}",
+                 returns=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", T_GRID)
+@pytest.mark.parametrize("layout", ("aiter_fp4", "dense"))
+def test_v4_k(backend, T, layout):
+    for i, policy in enumerate(POLICIES):
+        a = tt.make_v4_k(T=T, device=DEV, seed=T + i, scale=SCALES[(T + i) % 4], layout=layout, rounding=policy,
+                         hadamard=bool(i % 2), dtype=(torch.bfloat16, torch.float32, torch.float16)[i])
+        a["kv"] = inject_specials(a["kv"])
+        run_pair(dq.rmsnorm_rope_rotate_fp4quant_kvcache, a, ("kv_cache", "kv_cache_scale"), backend,
+                 "rmsnorm_rope_rotate_fp4quant_kvcache", f"T{T} {layout} {policy}")
