@@ -33,6 +33,7 @@ RopeArgs rope(const py::dict& d) {
   r.max_pos = get<int64_t>(d, "rope_max_pos");
   r.dtype = get<int>(d, "rope_dt");
   r.pairs = get<bool>(d, "rope_pairs");
+  r.vec = get<bool>(d, "rope_vec");
   return r;
 }
 void check(int err, const char* what) {

@@ -26,20 +26,28 @@ __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
   const bool is_q = row < q_rows;
   const int64_t t = is_q ? row / a.H : row - q_rows;
   const int64_t h = is_q ? row % a.H : 0;
+  // Independent loads first (slot, position, the row, LayerNorm parameters), so their latencies overlap.
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
+  const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
+  float v[kVals], nw[kVals], nb[kVals];
+  if (is_q) {
+    load_row8(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, a.in_dt, lane, a.q_vec, v);
+  } else {
+    load_row8(static_cast<const uint16_t*>(a.k) + t * a.k_st, a.in_dt, lane, a.k_vec, v);
+#pragma unroll
+    for (int e = 0; e < kVals; ++e) {
+      nw[e] = load_f(a.norm_w, kVals * lane + e, a.norm_w_dt);
+      nb[e] = load_f(a.norm_b, kVals * lane + e, a.norm_b_dt);
+    }
+  }
   if (is_q ? (!a.compute_all && slot < 0) : slot < 0) return;
   const int64_t capacity = a.num_blocks * a.P;
   if (!is_q && slot >= capacity) {
     if (lane == 0) atomicOr(a.err_flag, 1);
     return;
   }
-  const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, 1);
-
-  float v[kVals];
-  if (is_q) {
-    load_row8(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, a.in_dt, lane, a.q_vec, v);
-  } else {
-    load_row8(static_cast<const uint16_t*>(a.k) + t * a.k_st, a.in_dt, lane, a.k_vec, v);
+  const int64_t pos = rope_position(pos_in, a.rope.max_pos, 1);
+  if (!is_q) {
     // LayerNorm (SPEC §5): mean = S(x)/128, d = x - mean, var = S(d*d)/128, y = fl(fl(d*inv)*w) + b.
     const float mean = fdiv(row_sum(mask, v), 128.0f);
     float d2[kVals];
@@ -47,11 +55,7 @@ __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
     for (int e = 0; e < kVals; ++e) { v[e] = fsub(v[e], mean); d2[e] = fmul(v[e], v[e]); }
     const float inv = inv_sqrt_eps(fdiv(row_sum(mask, d2), 128.0f), a.eps);
 #pragma unroll
-    for (int e = 0; e < kVals; ++e) {
-      const int d = kVals * lane + e;
-      v[e] = round_to(layer_norm_apply(v[e], inv, load_f(a.norm_w, d, a.norm_w_dt), load_f(a.norm_b, d, a.norm_b_dt)),
-                      a.in_dt);
-    }
+    for (int e = 0; e < kVals; ++e) v[e] = round_to(layer_norm_apply(v[e], inv, nw[e], nb[e]), a.in_dt);
   }
   rope_row(mask, lane, v, a.rope, pos, a.neox, /*tail=*/false);
 #pragma unroll

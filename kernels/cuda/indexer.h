@@ -13,6 +13,7 @@ struct RopeArgs {            // cos/sin: two [max_pos, 32] tables, or `pairs`: o
   int64_t max_pos;
   int dtype;
   bool pairs;
+  bool vec;                  // tables and row stride 16-byte aligned: vector loads
 };
 
 struct IndexerArgs {         // SPEC §7.1

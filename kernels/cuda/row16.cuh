@@ -103,15 +103,59 @@ __device__ __forceinline__ float group_amax(unsigned mask, const float (&v)[kVal
   return a;
 }
 
-// One (cos, sin) pair of a table (indexer.h RopeArgs) at position p, index j (0..31).
-__device__ __forceinline__ void rope_load(const RopeArgs& t, int64_t p, int j, float& c, float& s) {
-  if (t.pairs) {
-    const float* f = static_cast<const float*>(t.cos) + p * t.row_stride + 2 * j;
-    c = f[0];
-    s = f[1];
+// N consecutive (cos, sin) pairs j0 .. j0+N-1 (N = 4 or 8, j0 a multiple of N) of a table (indexer.h
+// RopeArgs) at position p; vector loads when the table is aligned.
+template <int N>
+__device__ __forceinline__ void rope_load(const RopeArgs& t, int64_t p, int j0, float (&c)[N], float (&s)[N]) {
+  if (t.pairs) {   // fp32 (cos, sin) pairs
+    const float* f = static_cast<const float*>(t.cos) + p * t.row_stride + 2 * j0;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float4 u = t.vec ? reinterpret_cast<const float4*>(f)[i] : make_float4(f[4 * i], f[4 * i + 1], f[4 * i + 2], f[4 * i + 3]);
+      c[2 * i] = u.x; s[2 * i] = u.y; c[2 * i + 1] = u.z; s[2 * i + 1] = u.w;
+    }
+    return;
+  }
+  const int64_t off = p * t.row_stride + j0;
+  if (t.dtype == kF32) {
+    const float* cp = static_cast<const float*>(t.cos) + off;
+    const float* sp = static_cast<const float*>(t.sin) + off;
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 a = t.vec ? reinterpret_cast<const float4*>(cp)[i] : make_float4(cp[4 * i], cp[4 * i + 1], cp[4 * i + 2], cp[4 * i + 3]);
+      const float4 b = t.vec ? reinterpret_cast<const float4*>(sp)[i] : make_float4(sp[4 * i], sp[4 * i + 1], sp[4 * i + 2], sp[4 * i + 3]);
+      c[4 * i] = a.x; c[4 * i + 1] = a.y; c[4 * i + 2] = a.z; c[4 * i + 3] = a.w;
+      s[4 * i] = b.x; s[4 * i + 1] = b.y; s[4 * i + 2] = b.z; s[4 * i + 3] = b.w;
+    }
+    return;
+  }
+  const uint16_t* cp = static_cast<const uint16_t*>(t.cos) + off;
+  const uint16_t* sp = static_cast<const uint16_t*>(t.sin) + off;
+  uint16_t hc[N], hs[N];
+  if (t.vec && N == 8) {
+    const uint4 a = *reinterpret_cast<const uint4*>(cp), b = *reinterpret_cast<const uint4*>(sp);
+    const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      hc[2 * i] = wa[i] & 0xFFFFu; hc[2 * i + 1] = wa[i] >> 16;
+      hs[2 * i] = wb[i] & 0xFFFFu; hs[2 * i + 1] = wb[i] >> 16;
+    }
+  } else if (t.vec && N == 4) {
+    const uint2 a = *reinterpret_cast<const uint2*>(cp), b = *reinterpret_cast<const uint2*>(sp);
+    const uint32_t wa[2] = {a.x, a.y}, wb[2] = {b.x, b.y};
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      hc[2 * i] = wa[i] & 0xFFFFu; hc[2 * i + 1] = wa[i] >> 16;
+      hs[2 * i] = wb[i] & 0xFFFFu; hs[2 * i + 1] = wb[i] >> 16;
+    }
   } else {
-    c = load_f(t.cos, p * t.row_stride + j, t.dtype);
-    s = load_f(t.sin, p * t.row_stride + j, t.dtype);
+#pragma unroll
+    for (int i = 0; i < N; ++i) { hc[i] = cp[i]; hs[i] = sp[i]; }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    c[i] = t.dtype == kBF16 ? bf16_to_f32(hc[i]) : fp16_to_f32(hc[i]);
+    s[i] = t.dtype == kBF16 ? bf16_to_f32(hs[i]) : fp16_to_f32(hs[i]);
   }
 }
 
@@ -128,22 +172,20 @@ __device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVa
     for (int e = 0; e < kVals; ++e) other[e] = shfl_xor16(mask, v[e], 4);
     if (!mine) return;
     const bool first = rl < 4;   // holds a = x[j], partner holds b = x[j + 32]
+    float c[kVals], s[kVals];
+    rope_load<kVals>(tab, pos, 8 * (rl & 3), c, s);
 #pragma unroll
     for (int e = 0; e < kVals; ++e) {
-      float c, s;
-      rope_load(tab, pos, 8 * (rl & 3) + e, c, s);
       float a = first ? v[e] : other[e], b = first ? other[e] : v[e];
-      rope_pair(a, b, c, s);
+      rope_pair(a, b, c[e], s[e]);
       v[e] = first ? a : b;
     }
   } else {
     if (!mine) return;
+    float c[kVals / 2], s[kVals / 2];
+    rope_load<kVals / 2>(tab, pos, 4 * rl, c, s);
 #pragma unroll
-    for (int e = 0; e < kVals; e += 2) {
-      float c, s;
-      rope_load(tab, pos, 4 * rl + e / 2, c, s);
-      rope_pair(v[e], v[e + 1], c, s);
-    }
+    for (int e = 0; e < kVals; e += 2) rope_pair(v[e], v[e + 1], c[e / 2], s[e / 2]);
   }
 }
 

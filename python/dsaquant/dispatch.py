@@ -93,8 +93,10 @@ def _device_ok(backend: str, device: torch.device) -> str:
     return ""
 
 
+@torch.compiler.assume_constant_result
 def choose(op: str, device: torch.device, backend: str | None = None) -> str:
-    """Name of the backend that runs `op` on `device`: the argument, else DSAQUANT_BACKEND, else auto."""
+    """Name of the backend that runs `op` on `device`: the argument, else DSAQUANT_BACKEND, else auto.
+    (Under torch.compile the choice is made once at trace time and baked into the graph.)"""
     forced = backend or os.environ.get("DSAQUANT_BACKEND") or None
     if forced:
         where = "backend=" if backend else "DSAQUANT_BACKEND="

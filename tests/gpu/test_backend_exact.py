@@ -54,15 +54,22 @@ def clone_args(args: dict) -> dict:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
-def compare(name: str, backend: str, outs_ref, outs_be, label: str):
+def compare(name: str, backend: str, outs_ref, outs_be, label: str, out_names=None):
     bad = 0
     total = 0
-    for r, b in zip(outs_ref, outs_be):
+    where = []
+    for i, (r, b) in enumerate(zip(outs_ref, outs_be)):
         rb, bb = r.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
         total += rb.numel()
-        bad += int((rb != bb).sum())
+        diff = (rb != bb)
+        n = int(diff.sum())
+        bad += n
+        if n:
+            idx = diff.nonzero()[:4].tolist()
+            vals = [(int(rb[tuple(j)]), int(bb[tuple(j)])) for j in idx]
+            where.append(f"{out_names[i] if out_names else i}: {n} bytes, first at {idx} (ref, got) {vals}")
     record(backend, name, total, bad)
-    assert bad == 0, f"{backend} {name} {label}: {bad} of {total} bytes differ from the reference"
+    assert bad == 0, f"{backend} {name} {label}: {bad} of {total} bytes differ from the reference; " + "; ".join(where)
 
 
 def run_pair(fn, args: dict, out_keys, backend: str, name: str, label: str, returns=False):
@@ -72,10 +79,11 @@ def run_pair(fn, args: dict, out_keys, backend: str, name: str, label: str, retu
     torch.cuda.synchronize()
     if returns:
         outs_ref, outs_be = (r_ref if isinstance(r_ref, tuple) else (r_ref,)), (r_be if isinstance(r_be, tuple) else (r_be,))
+        names = None
     else:
-        outs_ref, outs_be = [a_ref[k] for k in out_keys if a_ref.get(k) is not None], \
-                            [a_be[k] for k in out_keys if a_be.get(k) is not None]
-    compare(name, backend, outs_ref, outs_be, label)
+        names = [k for k in out_keys if a_ref.get(k) is not None]
+        outs_ref, outs_be = [a_ref[k] for k in names], [a_be[k] for k in names]
+    compare(name, backend, outs_ref, outs_be, label, names)
 
 
 def indexer_cases():

@@ -33,11 +33,12 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 def _rope(positions, cos_cache=None, sin_cache=None, freqs=None):
     if freqs is not None:
         return dict(rope_cos=freqs.data_ptr(), rope_sin=0, rope_stride=freqs.stride(0), rope_max_pos=freqs.shape[0],
-                    rope_dt=0, rope_pairs=True), (freqs,)
+                    rope_dt=0, rope_pairs=True, rope_vec=_vec(freqs, freqs.stride(0))), (freqs,)
     if cos_cache.stride(0) != sin_cache.stride(0):
         cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
     return dict(rope_cos=cos_cache.data_ptr(), rope_sin=sin_cache.data_ptr(), rope_stride=cos_cache.stride(0),
-                rope_max_pos=cos_cache.shape[0], rope_dt=DTYPE[cos_cache.dtype], rope_pairs=False), (cos_cache, sin_cache)
+                rope_max_pos=cos_cache.shape[0], rope_dt=DTYPE[cos_cache.dtype], rope_pairs=False,
+                rope_vec=_vec(cos_cache, cos_cache.stride(0)) and _vec(sin_cache, sin_cache.stride(0))), (cos_cache, sin_cache)
 
 
 def _stream(t: torch.Tensor) -> int:

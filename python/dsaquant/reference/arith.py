@@ -39,6 +39,12 @@ def from_bits(b: torch.Tensor) -> torch.Tensor:
     return b.to(torch.int32).contiguous().view(F32)
 
 
+def div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """fl(a / b), one correctly rounded division per element. (torch on CUDA turns `tensor / python
+    scalar` into a multiplication by the rounded reciprocal, which is not the SPEC's division.)"""
+    return a / torch.tensor(b, dtype=F32, device=a.device)
+
+
 def pow2(e: torch.Tensor) -> torch.Tensor:
     """SPEC §0.5: fp32 2^(e-127) built from bits for a biased exponent e (int tensor).
 
@@ -101,6 +107,21 @@ def canon_nan(x: torch.Tensor) -> torch.Tensor:
     a NaN inside an op always encodes as positive (docs/semantics.md, "NaN inside ops")."""
     x = x.to(F32)
     return torch.where(torch.isnan(x), from_bits(torch.full_like(x, CANONICAL_NAN_BITS, dtype=torch.int32)), x)
+
+
+_CANON_HALF = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values -> `dtype` (nearest even), with every NaN stored as the canonical quiet NaN of that
+    dtype (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00): torch's own NaN bits differ between CPU and CUDA."""
+    if dtype == F32:
+        return canon_nan(x)
+    y = x.to(F32).to(dtype)
+    if dtype in _CANON_HALF:
+        bits16 = y.view(torch.int16)
+        y = torch.where(torch.isnan(y), torch.full_like(bits16, _CANON_HALF[dtype]), bits16).view(dtype)
+    return y
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

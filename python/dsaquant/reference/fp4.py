@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .arith import F32, INV6, bits, canon_nan, ceil_exp, f32_from_bits, nan_amax, pow2, round_to
+from .arith import F32, INV6, bits, canon_nan, cast, ceil_exp, div, f32_from_bits, nan_amax, pow2
 
 POLICIES = ("threshold", "rne", "hardware")
 SCALE_RULES = ("pack", "recip")
@@ -66,7 +66,7 @@ def ue8m0_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
     """SPEC §3: fp32 block maxima (>= 0) -> int32 biased UE8M0 exponents by rule `pack` or `recip`."""
     amax = amax.to(F32)
     if rule == "pack":
-        f = torch.clamp_min(amax / 6.0, f32_from_bits(0x38D1B717))  # max(amax / 6.0f, 1e-4f)
+        f = torch.clamp_min(div(amax, 6.0), f32_from_bits(0x38D1B717))  # max(amax / 6.0f, 1e-4f)
         return ceil_exp(f).clamp(1, 254)
     if rule == "recip":
         f = torch.clamp_min(amax, 6.0 * 2.0 ** -126) * INV6
@@ -146,7 +146,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32, scale: str = "ue8m0", out_d
     q = torch.where(y < 0, -r, r)
     q = torch.where(torch.isnan(y), y, q)
     out = q * s
-    return round_to(out, out_dtype).reshape(x.shape).to(out_dtype)
+    return cast(out, out_dtype).reshape(x.shape)
 
 
 def sglang_two_stage(x: torch.Tensor, rounding: str):

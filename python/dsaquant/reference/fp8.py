@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .arith import F32, bits, canon_nan, ceil_exp, f32_from_bits, nan_amax, pow2
+from .arith import F32, bits, canon_nan, ceil_exp, div, f32_from_bits, nan_amax, pow2
 
 # flavour -> (exponent bias, max finite value, NaN code)
 FLAVOURS = {"e4m3fn": (7, 448.0, 0x7F), "e4m3fnuz": (8, 240.0, 0x80)}
@@ -68,7 +68,7 @@ def fp8_scale(amax: torch.Tensor, flavour: str, role: str, scale_fmt) -> torch.T
     if role == "q":
         s = torch.clamp_min(amax, f32_from_bits(0x2EDBE6FF)) * (1.0 / torch.tensor(fmax, dtype=F32)).item()
     elif role == "k":
-        s = torch.clamp_min(amax, f32_from_bits(0x38D1B717)) / fmax
+        s = div(torch.clamp_min(amax, f32_from_bits(0x38D1B717)), fmax)
     else:
         raise ValueError(f"role must be 'q' or 'k', got {role!r}")
     if scale_fmt == "ue8m0":

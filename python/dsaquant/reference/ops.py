@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import errors
-from .arith import F32, round_to, to_f32_scalar
+from .arith import F32, cast, round_to, to_f32_scalar
 from .fp4 import fp4_quantize, fp4_fake_quant, sglang_two_stage
 from .fp8 import fp8_quantize
 from .layouts import write_aiter_fp4, write_aiter_q_scale, write_fp8_132, write_packed68
@@ -46,14 +46,14 @@ def indexer_qk_rope_quant_and_cache(q, q_out, weights, weights_out, k, kv_cache,
         qp, qe = fp4_quantize(qr, rounding, "recip", 32)
         q_out.view(torch.uint8)[qi] = qp[qi]
         write_aiter_q_scale(q_scale_out, qi, qe[qi], H)
-        weights_out[qi] = weights[qi].to(weights_out.dtype)
+        weights_out[qi] = cast(weights[qi].to(F32), weights_out.dtype)
         kp, ke = fp4_quantize(kr, rounding, "recip", 32)
         write_aiter_fp4(kv_cache, kv_cache_scale, slots[ki], kp[ki], ke[ki], page_size)
         return
     qc, qs = fp8_quantize(qr, fp8_flavour, "q", scale_fmt)            # qs [T, H, 1]
     q_out.view(torch.uint8)[qi] = qc[qi]
     w = (weights.to(F32) * qs.squeeze(-1)) * to_f32_scalar(weights_scale)
-    weights_out[qi] = w[qi].to(weights_out.dtype)
+    weights_out[qi] = cast(w[qi], weights_out.dtype)
     kc, ks = fp8_quantize(kr, fp8_flavour, "k", scale_fmt)             # ks [T, 1]
     write_fp8_132(kv_cache, slots[ki], kc[ki], ks[ki, 0], page_size, preshuffle)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .arith import F32, INV_SQRT128, canonical_sum, to_f32_scalar
+from .arith import F32, INV_SQRT128, canonical_sum, div, to_f32_scalar
 
 ROPE_DIM = 64
 HEAD_DIM = 128
@@ -59,9 +59,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     inv = 1/sqrt(var + eps), y = fl(fl(d*inv) * w) + b. fp32 in and out (not rounded)."""
     x = x.to(F32)
     n = x.shape[-1]
-    mean = canonical_sum(x) / n
+    mean = div(canonical_sum(x), n)
     d = x - mean.unsqueeze(-1)
-    var = canonical_sum(d * d) / n
+    var = div(canonical_sum(d * d), n)
     inv = 1.0 / torch.sqrt(var + to_f32_scalar(eps))
     return (d * inv.unsqueeze(-1)) * weight.to(F32) + bias.to(F32)
 
@@ -71,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fp32 in and out (not rounded)."""
     x = x.to(F32)
     n = x.shape[-1]
-    inv = 1.0 / torch.sqrt(canonical_sum(x * x) / n + to_f32_scalar(eps))
+    inv = 1.0 / torch.sqrt(div(canonical_sum(x * x), n) + to_f32_scalar(eps))
     return weight.to(F32) * (x * inv.unsqueeze(-1))
 
 
