@@ -9,6 +9,12 @@ import torch
 
 from .arith import F32, INV_SQRT128, canonical_sum, div, to_f32_scalar
 
+
+def _inv_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """fl(1 / fl(sqrt(v))) with a correctly rounded sqrt: torch's CPU fp32 sqrt is off by 1 ulp on some
+    builds (AVX-512), so take it in fp64 and round once (exact for sqrt: 53 >= 2*24 + 2 bits)."""
+    return 1.0 / torch.sqrt(v.double()).float()
+
 ROPE_DIM = 64
 HEAD_DIM = 128
 
@@ -62,7 +68,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     mean = div(canonical_sum(x), n)
     d = x - mean.unsqueeze(-1)
     var = div(canonical_sum(d * d), n)
-    inv = 1.0 / torch.sqrt(var + to_f32_scalar(eps))
+    inv = _inv_sqrt(var + to_f32_scalar(eps))
     return (d * inv.unsqueeze(-1)) * weight.to(F32) + bias.to(F32)
 
 
@@ -71,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fp32 in and out (not rounded)."""
     x = x.to(F32)
     n = x.shape[-1]
-    inv = 1.0 / torch.sqrt(div(canonical_sum(x * x), n) + to_f32_scalar(eps))
+    inv = _inv_sqrt(div(canonical_sum(x * x), n) + to_f32_scalar(eps))
     return weight.to(F32) * (x * inv.unsqueeze(-1))
 
 

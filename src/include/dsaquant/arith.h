@@ -11,6 +11,11 @@ namespace dsq {
 // (e = 255 gives +Inf, e = 0 gives +0: callers handle those).
 DSQ_HD float pow2(int e) { return u2f(static_cast<uint32_t>(e) << 23); }
 
+// 1 / pow2(e) = 2^(127-e) for e in 1..254, exact (e = 254 gives the subnormal 2^-127). Multiplying by
+// it gives the same bits as dividing by pow2(e): both are the correctly rounded value of the same real
+// number, so kernels use this instead of a (slower) division by a power of two.
+DSQ_HD float inv_pow2(int e) { return e < 254 ? pow2(254 - e) : u2f(0x00400000u); }
+
 // SPEC §3 ceil_exp(f): biased exponent of the smallest power of two >= f (f >= 0), from bits.
 DSQ_HD int ceil_exp(float f) {
   const uint32_t u = f2u(f);
@@ -24,12 +29,19 @@ DSQ_HD float nan_amax(const float* x, int n) {
   return a;
 }
 
-// ---- SPEC §0.4: round to bf16 / fp16 (nearest even; NaN stays NaN) ---------------------------
-// NaN encodings (ours; the SPEC only says "NaN stays NaN"): sign and top payload bits kept, quiet
-// bit set (IEEE conversion). torch's own bf16 NaN bits vary by code path (0x7FC0, 0xFFFF, 0x7FFF).
+// ---- NaN inside ops (ours; python reference `canon_nan`) -------------------------------------------
+// The sign and payload of a NaN made by arithmetic differ by platform (NVIDIA returns a positive
+// canonical NaN; x86 and AMD propagate an operand's). Wherever a NaN's sign could reach a byte (at a
+// quantizer's entry, after the FP8 scale multiply, at every rounding to bf16/fp16) it is replaced by
+// the canonical quiet NaN +0x7FC00000.
+constexpr uint32_t kCanonicalNanBits = 0x7FC00000u;
+DSQ_HD float canon_nan(float x) { return is_nan(x) ? u2f(kCanonicalNanBits) : x; }
+
+// ---- SPEC §0.4: round to bf16 / fp16 (nearest even) ----------------------------------------------
+// A NaN becomes the canonical NaN: bf16 0x7FC0, fp16 0x7E00 (see canon_nan).
 DSQ_HD uint16_t round_bf16(float x) {
   const uint32_t u = f2u(x);
-  if (is_nan(x)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  if (is_nan(x)) return static_cast<uint16_t>(kCanonicalNanBits >> 16);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -41,7 +53,7 @@ DSQ_HD uint16_t round_fp16(float x) {
   const uint32_t u = f2u(x);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a > 0x7F800000u) return 0x7E00u;                                  // canonical NaN
   if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: Inf
   if (a >= 0x38800000u) {                                               // fp16 normal (>= 2^-14)
     const uint32_t r = a + 0x0FFFu + ((a >> 13) & 1u);                  // RNE at 10 mantissa bits

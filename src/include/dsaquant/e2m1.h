@@ -49,7 +49,7 @@ DSQ_HD uint8_t e2m1_nan_scale_code(float x, Rounding r) {
 // correctly rounded division (exact unless v is subnormal, where every policy gives m = 0).
 DSQ_HD uint8_t e2m1_encode_scaled(float x, int e, Rounding r) {
   if (e == 255) return e2m1_nan_scale_code(x, r);
-  return e2m1_encode(fdiv(x, pow2(e)), r);
+  return e2m1_encode(fmul(x, inv_pow2(e)), r);   // = fl(x / 2^(e-127)), arith.h inv_pow2
 }
 
 // Two consecutive elements (2i, 2i+1) of a block with exponent e -> one packed byte.
@@ -60,7 +60,10 @@ DSQ_HD uint8_t e2m1_encode_scaled(float x, int e, Rounding r) {
 //   - the sign of a NaN input (SPEC: sign of the NaN | 0x7),
 //   - subnormal fp32 inputs and results (the emulation keeps them: SPEC §0.6; they always give m = 0),
 //   - the sign of zero and of negatives that round to zero (SPEC: kept, 0x8),
-//   - ±Inf inputs (SPEC: saturate, sign | 0x7), and whether any scale mantissa bit is read.
+//   - ±Inf inputs (SPEC: saturate, sign | 0x7), and whether any scale mantissa bit is read,
+//   - |v| in (0.25, 0.5) (SPEC: 0.5, code 1; a public AMD software model of the instruction flushes
+//     every |v| < 0.5 to 0).
+// See docs/shared_header.md, "gfx950 notes".
 // e = 255 never reaches the instruction: SPEC §3's NaN-scale rule is applied first.
 DSQ_HD uint8_t e2m1_encode_pair(float x_even, float x_odd, int e, Rounding r) {
 #if defined(__gfx950__)
@@ -70,19 +73,25 @@ DSQ_HD uint8_t e2m1_encode_pair(float x_even, float x_odd, int e, Rounding r) {
   return pack_nibbles(e2m1_encode_scaled(x_even, e, r), e2m1_encode_scaled(x_odd, e, r));
 }
 
-// One block of 32 fp32 values with exponent e -> 16 packed bytes (SPEC §1-§3).
+// One block of 32 fp32 values with exponent e -> 16 packed bytes (SPEC §1-§3). This is a
+// quantizer's entry: NaN inputs are made canonical (positive) first, so they give 0x7 under every
+// policy, also in a NaN-scale block (unlike the raw e2m1_encode, which keeps a NaN's sign).
 DSQ_HD void fp4_encode_block32(const float* x, int e, Rounding r, uint8_t* out16) {
-  for (int i = 0; i < 16; ++i) out16[i] = e2m1_encode_pair(x[2 * i], x[2 * i + 1], e, r);
+  for (int i = 0; i < 16; ++i) out16[i] = e2m1_encode_pair(canon_nan(x[2 * i]), canon_nan(x[2 * i + 1]), e, r);
 }
 
 // SPEC §7.2 stage 1 for one element with block scale s (s = pow2(e)): y = clamp(x / s, -6, 6);
 // |y| rounded half to even onto the grid, given the sign of y (a zero y counts as positive:
-// -0 -> +0, small negatives -> -0); times s. NaN stays NaN. Callers round the result to bf16.
+// -0 -> +0, small negatives -> -0); times s. A NaN result is the canonical NaN (with e = 255,
+// s = +Inf, the whole block is NaN). Callers round the result to bf16.
 DSQ_HD float fp4_fake_quant_value(float x, float s) {
   const float y = clamp_hi(clamp_lo(fdiv(x, s), -6.0f), 6.0f);
-  if (is_nan(y)) return y;
-  const float q = e2m1_decode(e2m1_encode(abs_f(y), Rounding::rne) & 7u);
-  return fmul(y < 0.0f ? -q : q, s);
+  float q = y;
+  if (!is_nan(y)) {
+    q = e2m1_decode(e2m1_encode(abs_f(y), Rounding::rne) & 7u);
+    if (y < 0.0f) q = -q;
+  }
+  return canon_nan(fmul(q, s));
 }
 
 }  // namespace dsq

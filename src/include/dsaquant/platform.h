@@ -118,6 +118,7 @@ DSQ_HD float fsqrt(float a) {
 #if defined(DSQ_CUDA_DEVICE)
   return __fsqrt_rn(a);
 #elif defined(__clang__)
+  DSQ_NO_CONTRACT
   return __builtin_sqrtf(a);
 #else
   return std::sqrt(a);

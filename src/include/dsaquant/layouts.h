@@ -1,0 +1,60 @@
+// dsaquant/layouts.h: every cache offset of SPEC §6, in bytes (int64) from the start of the tensor
+// viewed as flat uint8. P is the page (block) size in tokens; slot t lives in page t / P at o = t % P.
+// Slots are non-negative here: callers skip negative slots before computing offsets.
+#pragma once
+
+#include "platform.h"
+
+namespace dsq {
+
+constexpr int64_t kPacked68Row = 68;   // 64 payload bytes + 4 exponent bytes per token
+constexpr int64_t kFp8132Row = 132;    // 128 data bytes + one fp32 scale per token
+constexpr int64_t kAiterKTiles = 1;    // 128-wide rows: one k tile of 128 values
+
+// ---- packed68 (FP4; sglang-v41, DeepGEMM, vLLM V4): page = P*64 payload bytes, then P*4 exponents
+// Payload byte `byte` (0..63) of slot t.
+DSQ_HD int64_t packed68_payload_offset(int64_t t, int64_t P, int64_t byte) {
+  return (t / P) * (P * kPacked68Row) + 64 * (t % P) + byte;
+}
+// Exponent of block-of-32 `block` (0..3) of slot t.
+DSQ_HD int64_t packed68_scale_offset(int64_t t, int64_t P, int64_t block) {
+  return (t / P) * (P * kPacked68Row) + 64 * P + 4 * (t % P) + block;
+}
+
+// ---- fp8_132 (FP8; aiter, vLLM, sglang V3.2): block = P*128 data bytes, then P fp32 scales -----
+// Data byte d (0..127) of slot t; preshuffled (needs P % 16 == 0):
+// (o/16)*2048 + (d/16)*256 + (o%16)*16 + d%16 within the block.
+DSQ_HD int64_t fp8_132_data_offset(int64_t t, int64_t P, int64_t d, bool preshuffle) {
+  const int64_t o = t % P, base = (t / P) * (P * kFp8132Row);
+  if (preshuffle) return base + (o / 16) * 2048 + (d / 16) * 256 + (o % 16) * 16 + (d % 16);
+  return base + 128 * o + d;
+}
+// First byte of the fp32 scale of slot t (little endian), preshuffled or not.
+DSQ_HD int64_t fp8_132_scale_offset(int64_t t, int64_t P) {
+  return (t / P) * (P * kFp8132Row) + 128 * P + 4 * (t % P);
+}
+
+// ---- aiter_fp4 (pa_mqa_logits_fp4): kv_cache u8 [NB, 1, 4, P, 16], kv_cache_scale u8 [NB, 1, 4, P]
+// Offset in kv_cache of payload byte b (0..63) of slot t.
+DSQ_HD int64_t aiter_fp4_data_offset(int64_t t, int64_t P, int64_t b) {
+  const int64_t n = t / P, o = t % P;
+  return ((n * kAiterKTiles + b / 64) * 4 + (b % 64) / 16) * P * 16 + o * 16 + b % 16;
+}
+// Interleaved scale position of o in a page: (o % 16) * (P/16) + o / 16 (needs P % 16 == 0;
+// aiter's scorer reads it correctly only for P = 64).
+DSQ_HD int64_t aiter_sflat(int64_t o, int64_t P) { return (o % 16) * (P / 16) + o / 16; }
+// Offset in kv_cache_scale of the exponent of block-of-32 g (0..3) of slot t.
+DSQ_HD int64_t aiter_fp4_scale_offset(int64_t t, int64_t P, int64_t g) {
+  const int64_t n = t / P, o = t % P;
+  return ((n * kAiterKTiles + g / 4) * 4 + g % 4) * P + aiter_sflat(o, P);
+}
+
+// ---- aiter q scales: q_scale_out u8 [T, 1, 4, 16, qs_pad] -----------------------------------------
+// qs_pad = round_up(H/16, 4); entries with h/16 >= H/16 are padding (written as 0).
+DSQ_HD int64_t aiter_q_scale_pad(int64_t H) { return (H / 16 + 3) / 4 * 4; }
+// Offset of the exponent of token t, head h, group g: [t, g/4, g%4, h%16, h/16].
+DSQ_HD int64_t aiter_q_scale_offset(int64_t t, int64_t h, int64_t g, int64_t H) {
+  return (((t * kAiterKTiles + g / 4) * 4 + g % 4) * 16 + h % 16) * aiter_q_scale_pad(H) + h / 16;
+}
+
+}  // namespace dsq

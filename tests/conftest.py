@@ -1,0 +1,84 @@
+"""Shared pytest fixtures.
+
+Shared-header fixtures (issue 3): `header_host` builds tests/cpp/header_host.cpp, a pybind11 module
+over src/include/dsaquant, with g++ and the SPEC §0 flags, once per source hash (cached under
+build/test_header/), and imports it.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEADER_DIR = REPO / "src" / "include"
+TESTS_CPP = REPO / "tests" / "cpp"
+# SPEC §0.1 / §0.6: no contraction, no fast-math, no flush-to-zero.
+HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
+
+
+def _header_sources() -> list[Path]:
+    return sorted((HEADER_DIR / "dsaquant").glob("*.h"))
+
+
+def _build_header_host() -> Path:
+    import pybind11
+
+    cxx = os.environ.get("CXX", shutil.which("g++") or "g++")
+    src = TESTS_CPP / "header_host.cpp"
+    h = hashlib.sha256()
+    for p in [src, *_header_sources()]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join([cxx, *HOST_CXXFLAGS, sys.version]).encode())
+    out_dir = REPO / "build" / "test_header" / h.hexdigest()[:16]
+    so = out_dir / ("dsq_header_host" + sysconfig.get_config_var("EXT_SUFFIX"))
+    if so.exists():
+        return so
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = so.with_suffix(f".tmp{os.getpid()}")
+    cmd = [cxx, *HOST_CXXFLAGS, f"-I{HEADER_DIR}", f"-I{pybind11.get_include()}",
+           f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"building the header harness failed:\n{' '.join(cmd)}\n{res.stderr}")
+    os.replace(tmp, so)
+    return so
+
+
+@pytest.fixture(scope="session")
+def header_host():
+    """The compiled shared-header harness module (tests/cpp/header_host.cpp)."""
+    so = _build_header_host()
+    spec = importlib.util.spec_from_file_location("dsq_header_host", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HEADER_COUNTS: dict[str, list[int]] = {}
+
+
+@pytest.fixture(scope="session")
+def header_counts():
+    """name -> [comparisons, mismatches], filled by tests/test_header_host.py, printed at the end."""
+    return HEADER_COUNTS
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not HEADER_COUNTS:
+        return
+    tr = terminalreporter
+    tr.section("shared header vs reference")
+    for name, (n, bad) in sorted(HEADER_COUNTS.items()):
+        tr.write_line(f"{name:<48} {n:>12,} compared {bad:>6} mismatches")
+    tot = sum(v[0] for v in HEADER_COUNTS.values())
+    bad = sum(v[1] for v in HEADER_COUNTS.values())
+    tr.write_line(f"{'TOTAL':<48} {tot:>12,} compared {bad:>6} mismatches")

@@ -1,0 +1,273 @@
+// Host test harness for the shared header: thin, vectorised pybind11 wrappers over numpy arrays.
+// Every wrapper only loops and calls src/include/dsaquant functions; no format math lives here.
+// Built by tests/conftest.py with g++ -O2 -std=c++17 -ffp-contract=off -fno-fast-math.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "dsaquant/dsaquant.h"
+
+namespace py = pybind11;
+template <class T>
+using arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+template <class T>
+arr<T> like(py::ssize_t n) { return arr<T>(n); }
+
+template <class T>
+arr<T> shaped(std::vector<py::ssize_t> shape) { return arr<T>(shape); }
+
+// Elementwise map over one input array.
+template <class Out, class In, class F>
+arr<Out> map1(const arr<In>& x, F f) {
+  auto out = arr<Out>(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+  const In* xi = x.data();
+  Out* o = out.mutable_data();
+  const py::ssize_t n = x.size();
+  for (py::ssize_t i = 0; i < n; ++i) o[i] = f(xi[i]);
+  return out;
+}
+
+void need(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+dsq::Rounding rounding(int r) { need(r >= 0 && r <= 2, "rounding 0..2"); return static_cast<dsq::Rounding>(r); }
+dsq::ScaleRule rule(int r) { need(r == 0 || r == 1, "rule 0..1"); return static_cast<dsq::ScaleRule>(r); }
+dsq::Fp8Flavour flavour(int f) { need(f == 0 || f == 1, "flavour 0..1"); return static_cast<dsq::Fp8Flavour>(f); }
+
+// Row-wise call on a 2-D float array [R, n], in place on a copy.
+template <class F>
+arr<float> rows_inplace(const arr<float>& x, F f) {
+  need(x.ndim() == 2, "x must be 2-D");
+  arr<float> out(std::vector<py::ssize_t>{x.shape(0), x.shape(1)});
+  std::copy(x.data(), x.data() + x.size(), out.mutable_data());
+  for (py::ssize_t r = 0; r < x.shape(0); ++r) f(out.mutable_data() + r * x.shape(1), r);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(dsq_header_host, m) {
+  m.doc() = "Vectorised host wrappers over the dsaquant shared header (tests only)";
+
+  // ---- arith (SPEC §0) ----
+  m.def("pow2", [](const arr<int32_t>& e) { return map1<float>(e, [](int32_t v) { return dsq::pow2(v); }); });
+  m.def("ceil_exp", [](const arr<float>& f) { return map1<int32_t>(f, [](float v) { return dsq::ceil_exp(v); }); });
+  m.def("round_bf16", [](const arr<float>& x) { return map1<uint16_t>(x, [](float v) { return dsq::round_bf16(v); }); });
+  m.def("round_fp16", [](const arr<float>& x) { return map1<uint16_t>(x, [](float v) { return dsq::round_fp16(v); }); });
+  m.def("bf16_to_f32", [](const arr<uint16_t>& h) { return map1<float>(h, [](uint16_t v) { return dsq::bf16_to_f32(v); }); });
+  m.def("fp16_to_f32", [](const arr<uint16_t>& h) { return map1<float>(h, [](uint16_t v) { return dsq::fp16_to_f32(v); }); });
+  m.def("exp_ds", [](const arr<float>& x) { return map1<float>(x, [](float v) { return dsq::exp_ds(v); }); });
+  m.def("nan_amax", [](const arr<float>& x) {
+    need(x.ndim() == 2, "x must be 2-D");
+    auto out = like<float>(x.shape(0));
+    for (py::ssize_t r = 0; r < x.shape(0); ++r)
+      out.mutable_data()[r] = dsq::nan_amax(x.data() + r * x.shape(1), static_cast<int>(x.shape(1)));
+    return out;
+  });
+  // Canonical sum of each row: serial runtime-n, the templated one-thread version (n = 8, 128, 512),
+  // and the lane butterfly emulated with an array of lanes.
+  m.def("canonical_sum", [](const arr<float>& x, int variant) {
+    need(x.ndim() == 2, "x must be 2-D");
+    const int n = static_cast<int>(x.shape(1)), mp = n / 4;
+    need(n >= 4 && n % 4 == 0 && (mp & (mp - 1)) == 0 && mp <= 256, "n = 4 * 2^k <= 1024");
+    auto out = like<float>(x.shape(0));
+    for (py::ssize_t r = 0; r < x.shape(0); ++r) {
+      const float* row = x.data() + r * n;
+      float s = 0;
+      if (variant == 0) {
+        s = dsq::canonical_sum_n(row, n);
+      } else if (variant == 1) {
+        if (n == 8) s = dsq::canonical_sum<8>(row);
+        else if (n == 128) s = dsq::canonical_sum<128>(row);
+        else if (n == 512) s = dsq::canonical_sum<512>(row);
+        else throw std::invalid_argument("templated variant: n in 8, 128, 512");
+      } else {
+        float lanes[256], next[256];
+        for (int i = 0; i < mp; ++i) lanes[i] = dsq::canonical_partial(row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]);
+        // Every lane runs canonical_reduce_lanes one step at a time, as a warp would.
+        for (int step = mp >> 1; step >= 1; step >>= 1) {
+          for (int i = 0; i < mp; ++i)
+            next[i] = dsq::canonical_reduce_lanes(lanes[i], 2, [&](float, int) { return lanes[i ^ step]; });
+          std::copy(next, next + mp, lanes);
+        }
+        s = lanes[0];
+      }
+      out.mutable_data()[r] = s;
+    }
+    return out;
+  }, py::arg("x"), py::arg("variant") = 0);
+
+  // ---- FP4 (SPEC §1-§3, §7.2) ----
+  m.def("e2m1_encode", [](const arr<float>& v, int r) {
+    const auto rr = rounding(r);
+    return map1<uint8_t>(v, [rr](float x) { return dsq::e2m1_encode(x, rr); });
+  });
+  m.def("e2m1_decode", [](const arr<uint8_t>& c) { return map1<float>(c, [](uint8_t v) { return dsq::e2m1_decode(v); }); });
+  // Codes of x[j] at every exponent es[i]: out [len(es), len(x)], through e2m1_encode_pair.
+  m.def("e2m1_encode_grid", [](const arr<float>& x, const arr<int32_t>& es, int r) {
+    const auto rr = rounding(r);
+    const py::ssize_t n = x.size(), ne = es.size();
+    need(n % 2 == 0, "even length");
+    auto out = shaped<uint8_t>({ne, n});
+    uint8_t* o = out.mutable_data();
+    for (py::ssize_t i = 0; i < ne; ++i)
+      for (py::ssize_t j = 0; j < n; j += 2) {
+        const uint8_t b = dsq::e2m1_encode_pair(x.data()[j], x.data()[j + 1], es.data()[i], rr);
+        o[i * n + j] = b & 0xF;
+        o[i * n + j + 1] = b >> 4;
+      }
+    return out;
+  });
+  m.def("pack_nibbles", [](const arr<uint8_t>& c) {
+    need(c.ndim() == 2 && c.shape(1) % 2 == 0, "codes [R, even]");
+    auto out = shaped<uint8_t>({c.shape(0), c.shape(1) / 2});
+    for (py::ssize_t i = 0; i < out.size(); ++i) out.mutable_data()[i] = dsq::pack_nibbles(c.data()[2 * i], c.data()[2 * i + 1]);
+    return out;
+  });
+  m.def("ue8m0_exponent", [](const arr<float>& amax, int ru) {
+    const auto rr = rule(ru);
+    return map1<int32_t>(amax, [rr](float a) { return dsq::ue8m0_exponent(a, rr); });
+  });
+  // x [R, n] (n % 32 == 0) -> (packed u8 [R, n/2], exponents u8 [R, n/32]).
+  m.def("fp4_quantize", [](const arr<float>& x, int r, int ru) {
+    need(x.ndim() == 2 && x.shape(1) % 32 == 0, "x [R, 32k]");
+    const auto rr = rounding(r);
+    const auto sr = rule(ru);
+    const py::ssize_t R = x.shape(0), n = x.shape(1), nb = n / 32;
+    auto packed = shaped<uint8_t>({R, n / 2});
+    auto exps = shaped<uint8_t>({R, nb});
+    for (py::ssize_t i = 0; i < R * nb; ++i) {
+      const float* blk = x.data() + i * 32;
+      const int e = dsq::fp4_block_exponent(blk, 32, sr);
+      exps.mutable_data()[i] = static_cast<uint8_t>(e);
+      dsq::fp4_encode_block32(blk, e, rr, packed.mutable_data() + i * 16);
+    }
+    return py::make_tuple(packed, exps);
+  });
+  // §7.2 stage 1 (blocks of 32, rule recip), fp32 result (callers round).
+  m.def("fp4_fake_quant", [](const arr<float>& x) {
+    return rows_inplace(x, [&](float* row, py::ssize_t) {
+      need(x.shape(1) % 32 == 0, "x [R, 32k]");
+      for (py::ssize_t b = 0; b < x.shape(1); b += 32) {
+        const float s = dsq::pow2(dsq::fp4_block_exponent(row + b, 32, dsq::ScaleRule::recip));
+        for (int i = 0; i < 32; ++i) row[b + i] = dsq::fp4_fake_quant_value(row[b + i], s);
+      }
+    });
+  });
+
+  // ---- FP8 (SPEC §4) ----
+  m.def("fp8_encode", [](const arr<float>& x, int f) {
+    const auto fl = flavour(f);
+    return map1<uint8_t>(x, [fl](float v) { return dsq::fp8_encode(v, fl); });
+  });
+  m.def("fp8_decode", [](const arr<uint8_t>& c, int f) {
+    const auto fl = flavour(f);
+    return map1<float>(c, [fl](uint8_t v) { return dsq::fp8_decode(v, fl); });
+  });
+  m.def("fp8_row_scale", [](const arr<float>& amax, int f, int role, bool ue8m0) {
+    const auto fl = flavour(f);
+    const auto ro = static_cast<dsq::Fp8Role>(role);
+    return map1<float>(amax, [=](float a) { return dsq::fp8_row_scale(a, fl, ro, ue8m0); });
+  });
+  // x [R, n] -> (codes u8 [R, n], scales f32 [R, n/128]).
+  m.def("fp8_quantize", [](const arr<float>& x, int f, int role, bool ue8m0) {
+    need(x.ndim() == 2 && x.shape(1) % 128 == 0, "x [R, 128k]");
+    const auto fl = flavour(f);
+    const py::ssize_t R = x.shape(0), n = x.shape(1), nb = n / 128;
+    auto codes = shaped<uint8_t>({R, n});
+    auto scales = shaped<float>({R, nb});
+    for (py::ssize_t i = 0; i < R * nb; ++i)
+      scales.mutable_data()[i] = dsq::fp8_quantize_row(x.data() + i * 128, 128, fl, static_cast<dsq::Fp8Role>(role), ue8m0,
+                                                       codes.mutable_data() + i * 128);
+    return py::make_tuple(codes, scales);
+  });
+
+  // ---- RoPE, norms, Hadamard (SPEC §5) ----
+  m.def("rope_pair", [](const arr<float>& a, const arr<float>& b, const arr<float>& c, const arr<float>& s) {
+    const py::ssize_t n = a.size();
+    need(b.size() == n && c.size() == n && s.size() == n, "equal sizes");
+    auto oa = like<float>(n), ob = like<float>(n);
+    for (py::ssize_t i = 0; i < n; ++i) {
+      float x = a.data()[i], y = b.data()[i];
+      dsq::rope_pair(x, y, c.data()[i], s.data()[i]);
+      oa.mutable_data()[i] = x;
+      ob.mutable_data()[i] = y;
+    }
+    return py::make_tuple(oa, ob);
+  });
+  m.def("rope_row", [](const arr<float>& x, const arr<float>& cos, const arr<float>& sin, bool neox, bool tail) {
+    need(x.ndim() == 2 && x.shape(1) == 128 && cos.size() == x.shape(0) * 32 && sin.size() == cos.size(), "x [R,128], cos/sin [R,32]");
+    return rows_inplace(x, [&](float* row, py::ssize_t r) { dsq::rope_row128(row, cos.data() + 32 * r, sin.data() + 32 * r, neox, tail); });
+  });
+  m.def("rope_dims", [](int j, bool neox, bool tail) { return py::make_tuple(dsq::rope_dim_a(j, neox, tail), dsq::rope_dim_b(j, neox, tail)); });
+  m.def("rope_position", [](const arr<int64_t>& pos, int64_t max_pos, int64_t ratio) {
+    return map1<int64_t>(pos, [=](int64_t p) { return dsq::rope_position(p, max_pos, ratio); });
+  });
+  m.def("layer_norm", [](const arr<float>& x, const arr<float>& w, const arr<float>& b, float eps) {
+    need(x.ndim() == 2 && x.shape(1) == 128 && w.size() == 128 && b.size() == 128, "x [R,128], w, b [128]");
+    return rows_inplace(x, [&](float* row, py::ssize_t) { dsq::layer_norm_row<128>(row, w.data(), b.data(), eps); });
+  });
+  m.def("rms_norm", [](const arr<float>& x, const arr<float>& w, float eps) {
+    need(x.ndim() == 2 && w.size() == x.shape(1) && (x.shape(1) == 128 || x.shape(1) == 512), "x [R,128|512], w [n]");
+    return rows_inplace(x, [&](float* row, py::ssize_t) {
+      if (x.shape(1) == 128) dsq::rms_norm_row<128>(row, w.data(), eps);
+      else dsq::rms_norm_row<512>(row, w.data(), eps);
+    });
+  });
+  m.def("hadamard", [](const arr<float>& x) {
+    need(x.ndim() == 2, "x [R, n]");
+    const py::ssize_t n = x.shape(1);
+    return rows_inplace(x, [&](float* row, py::ssize_t) {
+      switch (n) {
+        case 2: dsq::hadamard_inplace<2>(row); break;
+        case 32: dsq::hadamard_inplace<32>(row); break;
+        case 64: dsq::hadamard_inplace<64>(row); break;
+        case 128: dsq::hadamard128(row); break;
+        case 256: dsq::hadamard_inplace<256>(row); break;
+        case 512: dsq::hadamard_inplace<512>(row); break;
+        case 1024: dsq::hadamard_inplace<1024>(row); break;
+        default: throw std::invalid_argument("n in 2, 32, 64, 128, 256, 512, 1024");
+      }
+    });
+  });
+  m.def("hadamard_scale", [](int n) { return dsq::hadamard_scale(n); });
+
+  // ---- layouts (SPEC §6): elementwise over broadcast-free int64 arrays of equal size ----
+  auto off3 = [](int64_t (*fn)(int64_t, int64_t, int64_t)) {
+    return [fn](const arr<int64_t>& t, int64_t P, const arr<int64_t>& k) {
+      need(t.size() == k.size(), "equal sizes");
+      auto out = like<int64_t>(t.size());
+      for (py::ssize_t i = 0; i < t.size(); ++i) out.mutable_data()[i] = fn(t.data()[i], P, k.data()[i]);
+      return out;
+    };
+  };
+  m.def("packed68_payload_offset", off3(dsq::packed68_payload_offset));
+  m.def("packed68_scale_offset", off3(dsq::packed68_scale_offset));
+  m.def("aiter_fp4_data_offset", off3(dsq::aiter_fp4_data_offset));
+  m.def("aiter_fp4_scale_offset", off3(dsq::aiter_fp4_scale_offset));
+  m.def("fp8_132_data_offset", [](const arr<int64_t>& t, int64_t P, const arr<int64_t>& d, bool pre) {
+    need(t.size() == d.size(), "equal sizes");
+    auto out = like<int64_t>(t.size());
+    for (py::ssize_t i = 0; i < t.size(); ++i) out.mutable_data()[i] = dsq::fp8_132_data_offset(t.data()[i], P, d.data()[i], pre);
+    return out;
+  });
+  m.def("fp8_132_scale_offset", [](const arr<int64_t>& t, int64_t P) {
+    return map1<int64_t>(t, [P](int64_t v) { return dsq::fp8_132_scale_offset(v, P); });
+  });
+  m.def("aiter_sflat", [](const arr<int64_t>& o, int64_t P) {
+    return map1<int64_t>(o, [P](int64_t v) { return dsq::aiter_sflat(v, P); });
+  });
+  m.def("aiter_q_scale_pad", [](int64_t H) { return dsq::aiter_q_scale_pad(H); });
+  m.def("aiter_q_scale_offset", [](const arr<int64_t>& t, const arr<int64_t>& h, const arr<int64_t>& g, int64_t H) {
+    need(t.size() == h.size() && t.size() == g.size(), "equal sizes");
+    auto out = like<int64_t>(t.size());
+    for (py::ssize_t i = 0; i < t.size(); ++i) out.mutable_data()[i] = dsq::aiter_q_scale_offset(t.data()[i], h.data()[i], g.data()[i], H);
+    return out;
+  });
+}

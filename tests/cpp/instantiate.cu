@@ -1,0 +1,116 @@
+// Build check of the shared header as device code: every header function is called from a
+// __global__ kernel. Compiled by tests/test_header_builds.py with nvcc (sm_90a, sm_100a) and as HIP
+// device code with clang (gfx942, gfx950). Nothing runs; the HIP assembly of `fp4_hardware_kernel` is
+// checked for V_CVT_SCALEF32_PK_FP4_F32 on gfx950 (and its absence on gfx942).
+#if defined(__HIP__)
+#include <hip/hip_runtime.h>
+#define DSQ_SHFL_XOR(v, s) __shfl_xor((v), (s), 32)
+#else
+#include <cuda_runtime.h>
+#define DSQ_SHFL_XOR(v, s) __shfl_xor_sync(0xFFFFFFFFu, (v), (s), 32)
+#endif
+
+#include "dsaquant/dsaquant.h"
+
+using namespace dsq;
+
+// The gfx950 instruction path alone: one block of 32 with policy `hardware`.
+extern "C" __global__ void fp4_hardware_kernel(const float* x, const int* e, uint8_t* out) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  fp4_encode_block32(x + 32 * b, e[b], Rounding::hardware, out + 16 * b);
+}
+
+// The emulated policies (no instruction on any target).
+extern "C" __global__ void fp4_emulated_kernel(const float* x, int rule, uint8_t* out, uint8_t* exps) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  const float* blk = x + 32 * b;
+  const int e = fp4_block_exponent(blk, 32, rule ? ScaleRule::recip : ScaleRule::pack);
+  exps[b] = static_cast<uint8_t>(e);
+  fp4_encode_block32(blk, e, Rounding::rne, out + 16 * b);
+  fp4_encode_block32(blk, e, Rounding::threshold, out + 16 * (b + gridDim.x * blockDim.x));
+}
+
+// SPEC §0, §1-§4 scalar helpers.
+extern "C" __global__ void scalar_kernel(const float* x, float* f, uint32_t* u, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float v = x[i];
+  int k = 0;
+  f[k++] = fadd(v, 1.0f) + fsub(v, 2.0f) + fmul(v, 3.0f) + fdiv(v, 5.0f) + fsqrt(abs_f(v)) + rint_f(v);
+  f[k++] = fmax_nn(v, 0.5f) + clamp_lo(v, 0.0f) + clamp_hi(v, 1.0f) + canon_nan(v);
+  f[k++] = pow2(ceil_exp(abs_f(v))) + exp_ds(-abs_f(v));
+  f[k++] = bf16_to_f32(round_bf16(v)) + round_to_bf16(v) + fp16_to_f32(round_fp16(v)) + round_to_fp16(v);
+  f[k++] = e2m1_decode(e2m1_encode(v, Rounding::threshold)) + e2m1_decode(e2m1_encode(v, Rounding::rne)) +
+           e2m1_decode(e2m1_encode(v, Rounding::hardware));
+  f[k++] = static_cast<float>(e2m1_encode_scaled(v, 130, Rounding::rne) + e2m1_nan_scale_code(v, Rounding::hardware) +
+                              pack_nibbles(1, 2) + e2m1_encode_pair(v, -v, 127, Rounding::hardware));
+  f[k++] = fp4_fake_quant_value(v, pow2(ue8m0_exponent(abs_f(v), ScaleRule::recip)));
+  f[k++] = static_cast<float>(ue8m0_exponent(abs_f(v), ScaleRule::pack));
+  f[k++] = fp8_decode(fp8_encode(v, Fp8Flavour::e4m3fn), Fp8Flavour::e4m3fn) +
+           fp8_decode(fp8_encode(v, Fp8Flavour::e4m3fnuz), Fp8Flavour::e4m3fnuz) +
+           static_cast<float>(fp8_is_nan(static_cast<uint8_t>(i), Fp8Flavour::e4m3fn) + fp8_bias(Fp8Flavour::e4m3fnuz)) +
+           fp8_max(Fp8Flavour::e4m3fn);
+  const float s = fp8_row_scale(abs_f(v), Fp8Flavour::e4m3fn, Fp8Role::q, true) +
+                  fp8_row_scale(abs_f(v), Fp8Flavour::e4m3fnuz, Fp8Role::k, false);
+  f[k++] = static_cast<float>(fp8_encode_scaled(v, fp8_inv_scale(s), Fp8Flavour::e4m3fn));
+  f[k++] = u2f(f2u(v) ^ 1u) + static_cast<float>(is_nan(v) + is_inf(v) + sign_bit(v));
+  f[k++] = hadamard_scale(128) + inv_sqrt_eps(v, 1e-6f) + layer_norm_apply(v, 2.0f, 3.0f, 4.0f) + rms_norm_apply(v, 2.0f, 3.0f);
+  float a = v, b = -v;
+  rope_pair(a, b, 0.5f, 0.25f);
+  f[k++] = a + b + static_cast<float>(rope_dim_a(i & 31, true, false) + rope_dim_b(i & 31, false, true) +
+                                      rope_position(i, 4096, 4));
+  u[i] = f2u(f[0]);
+}
+
+// Row helpers: canonical sums (thread-local and across lanes), norms, RoPE, Hadamard, FP8 row.
+extern "C" __global__ void row_kernel(const float* x, const float* w, const float* bias, const float* cs,
+                                      float* y, uint8_t* codes, float* scales) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  float row[128];
+  for (int i = 0; i < 128; ++i) row[i] = x[128 * r + i];
+  const float s0 = canonical_sum<128>(row) + canonical_sum_n(row, 64) + nan_amax(row, 128);
+  const int lane = threadIdx.x & 31;
+  const float lanes = canonical_reduce_lanes(canonical_partial(row[4 * lane], row[4 * lane + 1], row[4 * lane + 2],
+                                                               row[4 * lane + 3]),
+                                             32, [](float v, int s) { return DSQ_SHFL_XOR(v, s); });
+  float p[8] = {row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7]};
+  const float s1 = canonical_butterfly(p, 8);
+  layer_norm_row<128>(row, w, bias, 1e-6f);
+  rope_row128(row, cs, cs + 32, true, false);
+  hadamard128(row);
+  rms_norm_row<128>(row, w, 1e-6f);
+  hadamard_inplace<64>(row + 64);
+  scales[r] = fp8_quantize_row(row, 128, Fp8Flavour::e4m3fnuz, Fp8Role::k, true, codes + 128 * r) + s0 + lanes + s1;
+  for (int i = 0; i < 128; ++i) y[128 * r + i] = row[i];
+}
+
+// SPEC §6 offsets.
+extern "C" __global__ void layout_kernel(const int64_t* slots, int64_t P, int64_t H, int64_t* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t t = slots[i];
+  int64_t* o = out + 12 * i;
+  o[0] = packed68_payload_offset(t, P, i & 63);
+  o[1] = packed68_scale_offset(t, P, i & 3);
+  o[2] = fp8_132_data_offset(t, P, i & 127, false);
+  o[3] = fp8_132_data_offset(t, P, i & 127, true);
+  o[4] = fp8_132_scale_offset(t, P);
+  o[5] = aiter_fp4_data_offset(t, P, i & 63);
+  o[6] = aiter_sflat(t % P, P);
+  o[7] = aiter_fp4_scale_offset(t, P, i & 3);
+  o[8] = aiter_q_scale_pad(H);
+  o[9] = aiter_q_scale_offset(t, i % H, i & 3, H);
+  o[10] = kPacked68Row + kFp8132Row + kAiterKTiles + kHeadDim + kRopeDim;
+  o[11] = static_cast<int64_t>(kCanonicalNanBits);
+}
+
+// Header arithmetic only (no test-side float operators), so that the HIP IR of this kernel can be
+// checked for `contract` flags even when built with HIP's default -ffp-contract=fast-honor-pragmas.
+extern "C" __global__ void no_contract_kernel(const float* x, float* y) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  float a = x[4 * i], b = x[4 * i + 1];
+  rope_pair(a, b, x[4 * i + 2], x[4 * i + 3]);
+  y[4 * i] = a;
+  y[4 * i + 1] = b;
+  y[4 * i + 2] = layer_norm_apply(a, b, x[4 * i + 2], x[4 * i + 3]);
+  y[4 * i + 3] = exp_ds(fsub(canonical_partial(a, b, a, b), fdiv(fsqrt(a), b)));
+}

@@ -1,0 +1,465 @@
+"""The shared header (src/include/dsaquant) against the torch reference, byte for byte, on the host.
+
+Every test compares the header, through the pybind11 harness tests/cpp/header_host.cpp, with
+python/dsaquant/reference and requires ZERO mismatches. Comparisons are of bit patterns; where a NaN
+is compared, only NaN-ness counts (the SPEC fixes no NaN payload for fp32 / bf16 / fp16 values; the
+byte formats' NaN codes are compared exactly). Counts are printed in the terminal summary.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsaquant.reference import arith, fp4, fp8, layouts, transforms
+
+POLICY = {"threshold": 0, "rne": 1, "hardware": 2}
+RULE = {"pack": 0, "recip": 1}
+FLAVOUR = {"e4m3fn": 0, "e4m3fnuz": 1}
+
+SEED = 20240603
+
+
+@pytest.fixture(scope="module")
+def h(header_host):
+    return header_host
+
+
+# ---- comparison helpers --------------------------------------------------------------------------
+def _np(a):
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu()
+        if a.dtype == torch.bfloat16:
+            a = a.view(torch.int16)
+        return a.numpy()
+    return np.asarray(a)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    if a.dtype == np.float32:
+        return a.view(np.uint32)
+    if a.dtype == np.float16:
+        return a.view(np.uint16)
+    return a
+
+
+def check(counts, name, got, want, nan_equal=False):
+    """Bitwise comparison; with nan_equal, two NaNs (of any payload) are equal. Records counts."""
+    got, want = _np(got), _np(want)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if nan_equal:
+        gf, wf = got.astype(np.float32, copy=False), want.astype(np.float32, copy=False)
+        both_nan = np.isnan(gf) & np.isnan(wf)
+        bad = (_bits(gf) != _bits(wf)) & ~both_nan
+    else:
+        bad = _bits(got) != _bits(want.astype(got.dtype, copy=False))
+    n_bad = int(bad.sum())
+    c = counts.setdefault(name, [0, 0])
+    c[0] += int(bad.size)
+    c[1] += n_bad
+    if n_bad:
+        idx = np.argwhere(bad)[:5]
+        raise AssertionError(f"{name}: {n_bad} mismatches of {bad.size}; first at {idx.tolist()}: "
+                             f"got {[got[tuple(i)] for i in idx]}, want {[want[tuple(i)] for i in idx]}")
+
+
+def f32(bits) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+def t32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def all_bf16_as_f32() -> np.ndarray:
+    """The 65536 bf16 bit patterns, as fp32."""
+    return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+
+
+def fp32_sweep(rng, stride=1021, low=(0x0, 0x1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)) -> np.ndarray:
+    """A broad sweep of fp32 bit patterns: every top-16-bit pattern with several low halves, a
+    strided walk over all 2^32 patterns and random patterns. Includes ±0, subnormals, ±Inf, NaNs."""
+    top = np.arange(65536, dtype=np.uint32) << 16
+    parts = [top | np.uint32(lo) for lo in low]
+    parts.append(np.arange(0, 2**32, stride, dtype=np.uint64).astype(np.uint32))
+    parts.append(rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32))
+    return np.concatenate(parts).view(np.float32)
+
+
+def around(values: np.ndarray, k: int = 3) -> np.ndarray:
+    """Each value and its k fp32 neighbours on either side, both signs."""
+    v = np.abs(np.asarray(values, dtype=np.float32)).view(np.uint32).astype(np.int64)
+    d = np.arange(-k, k + 1, dtype=np.int64)
+    b = (v[:, None] + d[None, :]).reshape(-1)
+    b = b[(b >= 0) & (b <= 0x7F800000)].astype(np.uint32)
+    return np.concatenate([b, b | np.uint32(0x80000000)]).view(np.float32)
+
+
+# ---- SPEC §0 ---------------------------------------------------------------------------------------
+def test_pow2_ceil_exp(h, header_counts):
+    rng = np.random.default_rng(SEED)
+    e = np.arange(0, 256, dtype=np.int32)
+    check(header_counts, "pow2", h.pow2(e), arith.pow2(torch.from_numpy(e)))
+    f = np.abs(fp32_sweep(rng))
+    f = f[~np.isnan(f)]
+    check(header_counts, "ceil_exp", h.ceil_exp(f), arith.ceil_exp(t32(f)))
+
+
+def test_bf16_fp16_rounding(h, header_counts):
+    """Round to nearest even; a NaN becomes the canonical NaN (reference `round_to`, `canon_nan`)."""
+    rng = np.random.default_rng(SEED + 1)
+    x = np.concatenate([fp32_sweep(rng), around(np.array([65504, 65520, 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-25],
+                                                         dtype=np.float32), 40)])
+    tx = t32(x)
+    got_b = h.round_bf16(x)
+    check(header_counts, "round_bf16", h.bf16_to_f32(got_b), arith.round_to(tx, torch.bfloat16))
+    got_h = h.round_fp16(x)
+    check(header_counts, "round_fp16", h.fp16_to_f32(got_h), arith.round_to(tx, torch.float16))
+    nan = np.isnan(x)
+    check(header_counts, "round_bf16 (torch, non-NaN)", got_b[~nan],
+          tx[~nan].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    check(header_counts, "round_fp16 (torch, non-NaN)", got_h[~nan],
+          tx[~nan].to(torch.float16).view(torch.int16).numpy().view(np.uint16))
+    allh = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    check(header_counts, "bf16_to_f32", h.bf16_to_f32(allh),
+          torch.from_numpy(allh.view(np.int16)).view(torch.bfloat16).float())
+    check(header_counts, "fp16_to_f32", h.fp16_to_f32(allh),
+          torch.from_numpy(allh.view(np.int16)).view(torch.float16).float(), nan_equal=True)
+
+
+@pytest.mark.parametrize("n", [4, 8, 32, 128, 512, 1024])
+def test_canonical_sum(h, header_counts, n):
+    rng = np.random.default_rng(SEED + n)
+    rows = 4000 if n <= 128 else 600
+    # Wide dynamic range and cancellation, so that any other order would show.
+    x = (rng.standard_normal((rows, n)) * 2.0 ** rng.integers(-30, 30, (rows, n))).astype(np.float32)
+    x[::7] *= np.float32(1e8)
+    x[1::11, n // 2:] = -x[1::11, : n // 2][:, ::-1]   # exact cancellation in some order only
+    want = arith.canonical_sum(t32(x))
+    variants = [0, 2] + ([1] if n in (8, 128, 512) else [])
+    for v in variants:
+        check(header_counts, f"canonical_sum n={n} variant={v}", h.canonical_sum(x, v), want)
+    check(header_counts, "nan_amax", h.nan_amax(x), arith.nan_amax(t32(x)))
+
+
+def test_nan_amax_specials(h, header_counts):
+    x = np.zeros((6, 32), dtype=np.float32)
+    x[1, :] = np.nan
+    x[2, 3] = np.nan
+    x[2, 5] = -7.0
+    x[3, 0] = -np.inf
+    x[4, :] = -0.0
+    x[5, 31] = np.nan
+    x[5, 0] = 1e-45
+    check(header_counts, "nan_amax specials", h.nan_amax(x), arith.nan_amax(t32(x)))
+
+
+EXP_DS_GOLDEN = {0.0: 0x3F800000, -0.5: 0x3F1B4598, -1.0: 0x3EBC5AB2, -2.0: 0x3E0A9555, -10.0: 0x383E6BCE,
+                 -87.0: 0x00B33687, -100.0: 0x0000001B, -103.0: 0x00000001, -104.0: 0x00000000,
+                 float("-inf"): 0x00000000}
+
+
+def test_exp_ds(h, header_counts):
+    xs = np.array(list(EXP_DS_GOLDEN), dtype=np.float32)
+    check(header_counts, "exp_ds golden", h.exp_ds(xs), f32(list(EXP_DS_GOLDEN.values())))
+    rng = np.random.default_rng(SEED + 2)
+    neg_bf16 = all_bf16_as_f32()
+    neg_bf16 = neg_bf16[(neg_bf16 <= 0) & (neg_bf16 >= -110)]
+    lows = np.uint32(rng.integers(0, 1 << 16, neg_bf16.size, dtype=np.uint32))
+    x = np.concatenate([
+        -rng.uniform(0, 110, 2_000_000).astype(np.float32),
+        neg_bf16, (neg_bf16.view(np.uint32) | lows).view(np.float32),
+        around(np.arange(0, 111, dtype=np.float32) * np.float32(np.log(2.0) / 1.0), 3),
+        np.array([0.0, -0.0, -np.inf, np.inf, np.nan, -np.nan, 1e-45, -1e-45, 0.5, 3.0, 88.0, 1e30, -1e30, -3e38],
+                 dtype=np.float32),
+        -rng.uniform(0, 1e-3, 100_000).astype(np.float32),
+    ])
+    check(header_counts, "exp_ds", h.exp_ds(x), arith.exp_ds(t32(x)))
+
+
+# ---- SPEC §1-§3: FP4 ----------------------------------------------------------------------------------
+E2M1_GOLDEN = [  # v, threshold, rne, hardware (SPEC §2)
+    (0x00000000, 0x0, 0x0, 0x0), (0x80000000, 0x0, 0x0, 0x8), (-0.2, 0x0, 0x0, 0x8), (0.25, 0x0, 0x0, 0x0),
+    (0.26, 0x1, 0x1, 0x1), (0.75, 0x1, 0x2, 0x2), (-1.75, 0xB, 0xC, 0xC), (2.5, 0x4, 0x4, 0x4), (3.5, 0x5, 0x6, 0x6),
+    (5.0, 0x6, 0x6, 0x6), (5.0000005, 0x7, 0x7, 0x7), (-7.0, 0xF, 0xF, 0xF), (0x7F800000, 0x7, 0x7, 0x7),
+    (0xFFC00000, 0x7, 0x7, 0xF),
+]
+
+
+def test_e2m1_golden(h, header_counts):
+    v = np.array([f32(a)[()] if isinstance(a, int) else a for a, *_ in E2M1_GOLDEN], dtype=np.float32)
+    for k, pol in enumerate(POLICY):
+        want = np.array([row[1 + k] for row in E2M1_GOLDEN], dtype=np.uint8)
+        check(header_counts, f"e2m1 golden {pol}", h.e2m1_encode(v, POLICY[pol]), want)
+        check(header_counts, f"e2m1 golden {pol} (reference)", fp4.e2m1_encode(t32(v), pol), want)
+
+
+@pytest.mark.parametrize("policy", list(POLICY))
+def test_e2m1_every_bf16_at_every_exponent(h, header_counts, policy):
+    """All 65536 bf16 patterns x at every exponent e in 1..254: code of x / 2^(e-127) (16.6M codes),
+    through the pair encoder (e2m1_encode_pair, the block helper's path)."""
+    x = all_bf16_as_f32()
+    es = np.arange(1, 255, dtype=np.int32)
+    got = h.e2m1_encode_grid(x, es, POLICY[policy])
+    tx = t32(x)
+    for i in range(0, es.size, 32):
+        e = torch.from_numpy(es[i:i + 32])
+        want = fp4.e2m1_encode(tx[None, :] / arith.pow2(e)[:, None], policy)
+        check(header_counts, f"e2m1 bf16 x all e, {policy}", got[i:i + 32], want)
+
+
+@pytest.mark.parametrize("policy", list(POLICY))
+def test_e2m1_fp32_sweep(h, header_counts, policy):
+    rng = np.random.default_rng(SEED + 3)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, 2.0**-126], dtype=np.float32)
+    v = np.concatenate([fp32_sweep(rng, stride=4099), around(mids, 64)])
+    check(header_counts, f"e2m1 fp32 sweep, {policy}", h.e2m1_encode(v, POLICY[policy]), fp4.e2m1_encode(t32(v), policy))
+
+
+def test_e2m1_decode_pack(h, header_counts):
+    c = np.arange(256, dtype=np.uint8)
+    check(header_counts, "e2m1_decode", h.e2m1_decode(c), fp4.e2m1_decode(torch.from_numpy(c)))
+    rng = np.random.default_rng(SEED + 4)
+    codes = rng.integers(0, 16, (1000, 128), dtype=np.uint8)
+    check(header_counts, "pack_nibbles", h.pack_nibbles(codes), fp4.pack_nibbles(torch.from_numpy(codes)))
+
+
+def _amax_sweep(rng) -> np.ndarray:
+    a = np.abs(fp32_sweep(rng))
+    # Every binade: 6 * 2^k and the fp32 neighbours around it and around 2^k (the floors of both rules).
+    k = np.arange(-149, 128, dtype=np.float64)
+    edges = np.concatenate([6.0 * 2.0 ** k, 2.0 ** k, 448.0 * 2.0 ** k, 240.0 * 2.0 ** k, [1e-4, 6e-4, 1e-10, 4.48e-8]])
+    edges = edges[edges < 3.4e38].astype(np.float32)
+    extra = around(edges, 4)
+    return np.concatenate([a, np.abs(extra), np.array([0.0, np.inf, np.nan], dtype=np.float32)])
+
+
+@pytest.mark.parametrize("rule", list(RULE))
+def test_ue8m0(h, header_counts, rule):
+    rng = np.random.default_rng(SEED + 5)
+    a = _amax_sweep(rng)
+    check(header_counts, f"ue8m0 {rule}", h.ue8m0_exponent(a, RULE[rule]), fp4.ue8m0_exponent(t32(a), rule))
+
+
+def _special_rows(rng, rows: int, n: int) -> np.ndarray:
+    """Rows of n values over many binades, with zero / -0 / NaN / ±Inf / subnormal / huge blocks."""
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x *= (2.0 ** rng.integers(-150, 125, (rows, n // 32, 1))).repeat(32, axis=2).reshape(rows, n).astype(np.float32)
+    sel = rng.random((rows, n))
+    x[sel < 0.01] = 0.0
+    x[(sel >= 0.01) & (sel < 0.02)] = -0.0
+    x[(sel >= 0.02) & (sel < 0.025)] = np.nan
+    x[(sel >= 0.025) & (sel < 0.028)] = np.inf
+    x[(sel >= 0.028) & (sel < 0.031)] = -np.inf
+    x[(sel >= 0.031) & (sel < 0.035)] = f32(0x80000001)
+    x[(sel >= 0.035) & (sel < 0.04)] = np.float32(3.4e38) * np.sign(x[(sel >= 0.035) & (sel < 0.04)])
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2] = np.nan
+    x[3, :64] = -np.inf
+    x[4] = f32(np.arange(1, n + 1) | 0x80000000)  # negative subnormals
+    x[5] = np.float32(5.0) * np.float32(2.0 ** -20)
+    x[6, ::2] = np.nan
+    # Values that sit exactly on the midpoints after scaling, and tiny negatives rounding to -0.
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -5.0, 6.0, -6.0, -0.1, 0.1, -1e-3, 1e-3],
+                    dtype=np.float32)
+    x[7:9] = np.tile(mids, (2, n // 16))
+    return x
+
+
+@pytest.mark.parametrize("rule", list(RULE))
+@pytest.mark.parametrize("policy", list(POLICY))
+def test_fp4_quantize_blocks(h, header_counts, policy, rule):
+    rng = np.random.default_rng(SEED + 6)
+    x = _special_rows(rng, 3000, 128)
+    packed, exps = h.fp4_quantize(x, POLICY[policy], RULE[rule])
+    wp, we = fp4.fp4_quantize(t32(x), policy, rule)
+    check(header_counts, f"fp4_quantize exps {policy}/{rule}", exps, we)
+    check(header_counts, f"fp4_quantize payload {policy}/{rule}", packed, wp)
+
+
+def test_fp4_fake_quant(h, header_counts):
+    rng = np.random.default_rng(SEED + 7)
+    x = _special_rows(rng, 2000, 128)
+    got = h.fp4_fake_quant(x)
+    want = fp4.fp4_fake_quant(t32(x), 32, "ue8m0", out_dtype=torch.float32)
+    check(header_counts, "fp4_fake_quant (fp32)", got, want)
+    want16 = fp4.fp4_fake_quant(t32(x), 32, "ue8m0", out_dtype=torch.bfloat16).float()
+    # nan_equal: the reference's final `.to(bfloat16)` turns its canonical NaN into torch's bf16 NaN
+    # (0xFFFF on x86 CPUs), while the header's round_bf16 gives the canonical 0x7FC0.
+    check(header_counts, "fp4_fake_quant (bf16)", h.bf16_to_f32(h.round_bf16(got)), want16, nan_equal=True)
+
+
+# ---- SPEC §4: FP8 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("flavour", list(FLAVOUR))
+def test_fp8_encode(h, header_counts, flavour):
+    rng = np.random.default_rng(SEED + 8)
+    vals = fp8.fp8_decode(torch.arange(256, dtype=torch.uint8), flavour).numpy()
+    vals = np.unique(np.abs(vals[np.isfinite(vals)]))
+    mids = (vals[1:].astype(np.float64) + vals[:-1]) / 2
+    edges = np.concatenate([vals, mids.astype(np.float32), [464.0, 480.0, 248.0, 256.0, 3.4e38, 2.0**-149]]).astype(np.float32)
+    sub = rng.uniform(-2.0 ** -6, 2.0 ** -6, 200_000).astype(np.float32)
+    x = np.concatenate([fp32_sweep(rng), around(edges, 8), sub,
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, f32(0xFFC00000)[()], f32(0x7F800001)[()]],
+                                 dtype=np.float32)])
+    check(header_counts, f"fp8_encode {flavour}", h.fp8_encode(x, FLAVOUR[flavour]), fp8.fp8_encode(t32(x), flavour))
+    c = np.arange(256, dtype=np.uint8)
+    check(header_counts, f"fp8_decode {flavour}", h.fp8_decode(c, FLAVOUR[flavour]),
+          fp8.fp8_decode(torch.from_numpy(c), flavour), nan_equal=True)
+
+
+@pytest.mark.parametrize("flavour", list(FLAVOUR))
+def test_fp8_scales_and_rows(h, header_counts, flavour):
+    rng = np.random.default_rng(SEED + 9)
+    a = _amax_sweep(rng)
+    a = a[~np.isnan(a)]
+    for role in ("q", "k"):
+        for fmt in (None, "ue8m0"):
+            got = h.fp8_row_scale(a, FLAVOUR[flavour], 0 if role == "q" else 1, fmt == "ue8m0")
+            check(header_counts, f"fp8_row_scale {flavour}/{role}/{fmt}", got,
+                  fp8.fp8_scale(t32(a), flavour, role, fmt), nan_equal=True)
+    x = _special_rows(rng, 1500, 256)
+    x[10:] = np.nan_to_num(x[10:], nan=0.0, posinf=1.0, neginf=-1.0)  # most rows finite, some not
+    for role in ("q", "k"):
+        for fmt in (None, "ue8m0"):
+            codes, scales = h.fp8_quantize(x, FLAVOUR[flavour], 0 if role == "q" else 1, fmt == "ue8m0")
+            wc, ws = fp8.fp8_quantize(t32(x), flavour, role, fmt)
+            check(header_counts, f"fp8_quantize scales {flavour}/{role}/{fmt}", scales, ws)
+            check(header_counts, f"fp8_quantize codes {flavour}/{role}/{fmt}", codes, wc)
+
+
+# ---- SPEC §5 ------------------------------------------------------------------------------------------
+def test_rope(h, header_counts):
+    rng = np.random.default_rng(SEED + 10)
+    n = 500_000
+    a, b = (rng.standard_normal((2, n)) * 2.0 ** rng.integers(-20, 20, (2, n))).astype(np.float32)
+    ang = rng.uniform(-np.pi, np.pi, n)
+    c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    ga, gb = h.rope_pair(a, b, c, s)
+    wa = t32(a) * t32(c) - t32(b) * t32(s)   # SPEC §5 with torch ops, one rounding each
+    wb = t32(b) * t32(c) + t32(a) * t32(s)
+    check(header_counts, "rope_pair a'", ga, wa, nan_equal=True)
+    check(header_counts, "rope_pair b'", gb, wb, nan_equal=True)
+    # The FMA hazard (SPEC §8): a*c - b*s with a*c == b*s in fp32 but not exactly.
+    fa = np.float32(1.0000001)
+    ga, _ = h.rope_pair(np.array([fa]), np.array([fa]), np.array([fa]), np.array([fa]))
+    check(header_counts, "rope_pair no FMA", ga, np.array([0.0], dtype=np.float32))
+
+    R = 3000
+    x = (rng.standard_normal((R, 128)) * 8).astype(np.float32)
+    ang = rng.uniform(-np.pi, np.pi, (R, 32))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    for neox in (True, False):
+        for tail in (True, False):
+            got = h.rope_row(x, cos, sin, neox, tail)
+            want = transforms.rope(t32(x), t32(cos), t32(sin), neox, tail)
+            check(header_counts, f"rope_row neox={neox} tail={tail}", got, want)
+            # The index helpers: rotate a one-hot probe through the reference.
+            for j in range(32):
+                ia, ib = h.rope_dims(j, neox, tail)
+                probe = torch.zeros(1, 128)
+                probe[0, ia] = 1.0
+                cs = torch.zeros(1, 32)
+                sn = torch.zeros(1, 32)
+                sn[0, j] = 1.0   # a' = -b s, b' = a s: the probe moves from ia to ib
+                r = transforms.rope(probe, cs, sn, neox, tail)
+                check(header_counts, "rope_dims", np.array([ia, ib]),
+                      np.array([ia, int(torch.argmax(r[0]))]))
+    pos = np.concatenate([np.arange(-40, 5000, dtype=np.int64), np.array([2**40, -2**40], dtype=np.int64)])
+    for ratio in (1, 4, 128):
+        check(header_counts, "rope_position", h.rope_position(pos, 4096, ratio),
+              transforms.rope_positions(torch.from_numpy(pos), 4096, ratio))
+
+
+def test_reference_norms_use_a_correctly_rounded_sqrt():
+    """SPEC §0.1: torch's CPU fp32 sqrt is off by one ulp for ~15 % of inputs on some builds (torch 2.13
+    +cpu on AVX-512); the reference takes it in fp64 and rounds once, which is correctly rounded."""
+    x = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 4 + 1
+    want = 1.0 / torch.sqrt(x.double()).float()
+    assert torch.equal(transforms._inv_sqrt(x), want)
+
+
+def test_norms(h, header_counts):
+    rng = np.random.default_rng(SEED + 11)
+    for scale in (1e-20, 1e-3, 1.0, 1e3, 1e18):
+        x = (rng.standard_normal((2000, 128)) * scale + rng.standard_normal((2000, 1)) * scale).astype(np.float32)
+        w = rng.standard_normal(128).astype(np.float32)
+        b = rng.standard_normal(128).astype(np.float32)
+        eps = float(rng.choice([1e-6, 1e-5, 1e-12]))
+        check(header_counts, "layer_norm", h.layer_norm(x, w, b, eps),
+              transforms.layer_norm(t32(x), t32(w), t32(b), eps))
+        check(header_counts, "rms_norm 128", h.rms_norm(x, w, eps), transforms.rms_norm(t32(x), t32(w), eps))
+        x5 = (rng.standard_normal((500, 512)) * scale).astype(np.float32)
+        w5 = rng.standard_normal(512).astype(np.float32)
+        check(header_counts, "rms_norm 512", h.rms_norm(x5, w5, eps), transforms.rms_norm(t32(x5), t32(w5), eps))
+
+
+@pytest.mark.parametrize("n", [2, 32, 64, 128, 256, 512, 1024])
+def test_hadamard(h, header_counts, n):
+    rng = np.random.default_rng(SEED + n)
+    x = (rng.standard_normal((2000 if n <= 128 else 300, n)) * 2.0 ** rng.integers(-10, 10, (1, n))).astype(np.float32)
+    check(header_counts, f"hadamard n={n}", h.hadamard(x), transforms.hadamard(t32(x)))
+    want_c = arith.INV_SQRT128 if n == 128 else torch.tensor(n ** -0.5, dtype=torch.float32).item()
+    check(header_counts, "hadamard_scale", np.array([h.hadamard_scale(n)], dtype=np.float32),
+          np.array([want_c], dtype=np.float32))
+
+
+# ---- SPEC §6 ------------------------------------------------------------------------------------------
+def _grid(*sizes):
+    g = np.meshgrid(*[np.arange(s, dtype=np.int64) for s in sizes], indexing="ij")
+    return [a.reshape(-1) for a in g]
+
+
+def _covers(counts, name, offsets, total):
+    """Offsets of every (slot, byte) of a whole cache hit every byte of it exactly once."""
+    hist = np.bincount(offsets, minlength=total)
+    check(counts, name + " (bijective)", np.array([hist.size, hist.min(), hist.max()]), np.array([total, 1, 1]))
+
+
+@pytest.mark.parametrize("P", [16, 64])
+def test_layouts_whole_caches(h, header_counts, P):
+    NB = 5
+    slots = NB * P
+    t, d = _grid(slots, 64)
+    tt = torch.from_numpy(t)
+    td = torch.from_numpy(d)
+    got_pay = h.packed68_payload_offset(t, P, d)
+    check(header_counts, "packed68_payload_offset", got_pay, layouts.packed68_payload_offset(tt, P, td))
+    t4, g4 = _grid(slots, 4)
+    got_sc = h.packed68_scale_offset(t4, P, g4)
+    check(header_counts, "packed68_scale_offset", got_sc,
+          layouts.packed68_scale_offset(torch.from_numpy(t4), P, torch.from_numpy(g4)))
+    _covers(header_counts, "packed68", np.concatenate([got_pay, got_sc]), NB * P * 68)
+
+    t128, d128 = _grid(slots, 128)
+    for pre in (False, True):
+        got_data = h.fp8_132_data_offset(t128, P, d128, pre)
+        check(header_counts, f"fp8_132_data_offset preshuffle={pre}", got_data,
+              layouts.fp8_132_data_offset(torch.from_numpy(t128), P, torch.from_numpy(d128), pre))
+        ts = np.arange(slots, dtype=np.int64)
+        got_scale = h.fp8_132_scale_offset(ts, P)
+        check(header_counts, "fp8_132_scale_offset", got_scale, layouts.fp8_132_scale_offset(torch.from_numpy(ts), P))
+        scale_bytes = (got_scale[:, None] + np.arange(4)).reshape(-1)
+        _covers(header_counts, f"fp8_132 preshuffle={pre}", np.concatenate([got_data, scale_bytes]), NB * P * 132)
+
+    got_ad = h.aiter_fp4_data_offset(t, P, d)
+    check(header_counts, "aiter_fp4_data_offset", got_ad, layouts.aiter_fp4_data_offset(tt, P, td))
+    _covers(header_counts, "aiter_fp4 data", got_ad, NB * 4 * P * 16)
+    got_as = h.aiter_fp4_scale_offset(t4, P, g4)
+    check(header_counts, "aiter_fp4_scale_offset", got_as,
+          layouts.aiter_fp4_scale_offset(torch.from_numpy(t4), P, torch.from_numpy(g4)))
+    _covers(header_counts, "aiter_fp4 scale", got_as, NB * 4 * P)
+    o = np.arange(P, dtype=np.int64)
+    check(header_counts, "aiter_sflat", h.aiter_sflat(o, P), layouts.aiter_sflat(torch.from_numpy(o), P))
+
+
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+def test_q_scale_offsets(h, header_counts, H):
+    T = 7
+    qs_pad = h.aiter_q_scale_pad(H)
+    check(header_counts, "aiter_q_scale_pad", np.array([qs_pad]), np.array([layouts.aiter_q_scale_pad(H)]))
+    t, hh, g = _grid(T, 16 * qs_pad, 4)   # every head, pad entries included
+    got = h.aiter_q_scale_offset(t, hh, g, H)
+    want = layouts.aiter_q_scale_offset(torch.from_numpy(t), torch.from_numpy(hh), torch.from_numpy(g), H)
+    check(header_counts, f"aiter_q_scale_offset H={H}", got, want)
+    _covers(header_counts, f"aiter q scale H={H}", got, T * 4 * 16 * qs_pad)
