@@ -284,10 +284,10 @@ def test_fp4_fake_quant(h, header_counts):
     got = h.fp4_fake_quant(x)
     want = fp4.fp4_fake_quant(t32(x), 32, "ue8m0", out_dtype=torch.float32)
     check(header_counts, "fp4_fake_quant (fp32)", got, want)
-    want16 = fp4.fp4_fake_quant(t32(x), 32, "ue8m0", out_dtype=torch.bfloat16).float()
-    # nan_equal: the reference's final `.to(bfloat16)` turns its canonical NaN into torch's bf16 NaN
-    # (0xFFFF on x86 CPUs), while the header's round_bf16 gives the canonical 0x7FC0.
-    check(header_counts, "fp4_fake_quant (bf16)", h.bf16_to_f32(h.round_bf16(got)), want16, nan_equal=True)
+    check(header_counts, "fp4_fake_quant by exponent (fp32)", h.fp4_fake_quant(x, True), want)
+    # bf16 bits, NaN included: the reference stores the canonical bf16 NaN 0x7FC0, as round_bf16 does.
+    want16 = fp4.fp4_fake_quant(t32(x), 32, "ue8m0", out_dtype=torch.bfloat16).view(torch.int16).numpy()
+    check(header_counts, "fp4_fake_quant (bf16 bits)", h.round_bf16(got).view(np.int16), want16)
 
 
 # ---- SPEC §4: FP8 -----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ __device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, in
     static_cast<uint16_t*>(a.w_out)[i] = to_half_bits(w, a.w_out_dt);
 }
 
+template <bool FP4, int IN_DT, int CDT, bool NEOX>
 __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
   const int lane = threadIdx.x & 15;
   const unsigned mask = group_mask();
@@ -31,9 +32,9 @@ __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
   float v[kVals], nw[kVals], nb[kVals];
   if (is_q) {
-    load_row8(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, a.in_dt, lane, a.q_vec, v);
+    load_row8<IN_DT>(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, lane, a.q_vec, v);
   } else {
-    load_row8(static_cast<const uint16_t*>(a.k) + t * a.k_st, a.in_dt, lane, a.k_vec, v);
+    load_row8<IN_DT>(static_cast<const uint16_t*>(a.k) + t * a.k_st, lane, a.k_vec, v);
 #pragma unroll
     for (int e = 0; e < kVals; ++e) {
       nw[e] = load_f(a.norm_w, kVals * lane + e, a.norm_w_dt);
@@ -55,13 +56,13 @@ __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
     for (int e = 0; e < kVals; ++e) { v[e] = fsub(v[e], mean); d2[e] = fmul(v[e], v[e]); }
     const float inv = inv_sqrt_eps(fdiv(row_sum(mask, d2), 128.0f), a.eps);
 #pragma unroll
-    for (int e = 0; e < kVals; ++e) v[e] = round_to(layer_norm_apply(v[e], inv, nw[e], nb[e]), a.in_dt);
+    for (int e = 0; e < kVals; ++e) v[e] = round_to<IN_DT>(layer_norm_apply(v[e], inv, nw[e], nb[e]));
   }
-  rope_row(mask, lane, v, a.rope, pos, a.neox, /*tail=*/false);
+  rope_row<NEOX, /*TAIL=*/false, CDT>(mask, lane, v, a.rope, pos);
 #pragma unroll
-  for (int e = 0; e < kVals; ++e) v[e] = round_to(v[e], a.in_dt);
+  for (int e = 0; e < kVals; ++e) v[e] = round_to<IN_DT>(v[e]);
 
-  if (a.fp4) {
+  if constexpr (FP4) {
     int e;
     const uint32_t word = fp4_quant8(mask, v, ScaleRule::recip, static_cast<Rounding>(a.rounding), e);
     const bool first = (lane & 3) == 0;
@@ -79,8 +80,7 @@ __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
       *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = word;
       if (first) a.kv_scale[aiter_fp4_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
     }
-    return;
-  }
+  } else {
   // FP8 mode (SPEC §4): one scale per row.
   const Fp8Flavour fl = static_cast<Fp8Flavour>(a.flavour);
   const float s = fp8_row_scale(group_amax(mask, v, kLanes), fl, is_q ? Fp8Role::q : Fp8Role::k, a.ue8m0);
@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(256) indexer_kernel(IndexerArgs a) {
         make_uint2(lo, hi);
     if (lane == 0) *reinterpret_cast<float*>(a.kv_cache + fp8_132_scale_offset(slot, a.P)) = s;
   }
+  }
 }
 
 }  // namespace dsqk
@@ -108,6 +109,16 @@ int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
   const int64_t rows = a.T * a.H + a.T;
   if (rows == 0) return 0;
   const int64_t blocks = (rows + 15) / 16;
-  dsqk::indexer_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  using namespace dsqk;
+  with_bool(a.fp4, [&](auto fp4) {
+    with_half(a.in_dt, [&](auto in_dt) {
+      with_table(a.rope, [&](auto cdt) {
+        with_bool(a.neox, [&](auto neox) {
+          indexer_kernel<decltype(fp4)::value, decltype(in_dt)::value, decltype(cdt)::value, decltype(neox)::value>
+              <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+        });
+      });
+    });
+  });
   return static_cast<int>(cudaGetLastError());
 }

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "dsaquant/dsaquant.h"
 #include "dsaquant/fake_quant.h"
@@ -34,7 +35,7 @@ __device__ __forceinline__ unsigned group_mask() {
 }
 
 // Element types of the inputs, by a runtime code (dtype codes shared with the Python glue).
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4 };
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4, kPairs = 5 };  // kPairs: fp32 (cos, sin) table
 
 __device__ __forceinline__ float load_f(const void* p, int64_t i, int dt) {
   if (dt == kF32) return static_cast<const float*>(p)[i];
@@ -44,10 +45,15 @@ __device__ __forceinline__ float load_f(const void* p, int64_t i, int dt) {
 __device__ __forceinline__ int64_t load_i(const void* p, int64_t i, int dt) {
   return dt == kI64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
-__device__ __forceinline__ float round_to(float x, int dt) {
-  if (dt == kBF16) return round_to_bf16(x);
-  if (dt == kF16) return round_to_fp16(x);
+template <int DT>
+__device__ __forceinline__ float round_to(float x) {
+  if (DT == kBF16) return round_to_bf16(x);
+  if (DT == kF16) return round_to_fp16(x);
   return canon_nan(x);
+}
+template <int DT>
+__device__ __forceinline__ uint16_t to_half_bits(float x) {
+  return DT == kBF16 ? round_bf16(x) : round_fp16(x);
 }
 __device__ __forceinline__ uint16_t to_half_bits(float x, int dt) {
   return dt == kBF16 ? round_bf16(x) : round_fp16(x);
@@ -55,8 +61,9 @@ __device__ __forceinline__ uint16_t to_half_bits(float x, int dt) {
 __device__ __forceinline__ float canon(float x) { return canon_nan(x); }
 
 // Load the lane's 8 values of a 16-bit (bf16/fp16) or fp32 row starting at `row` (element pointer).
-__device__ __forceinline__ void load_row8(const void* row, int dt, int lane, bool vec, float (&v)[kVals]) {
-  if (dt == kF32) {
+template <int DT>
+__device__ __forceinline__ void load_row8(const void* row, int lane, bool vec, float (&v)[kVals]) {
+  if (DT == kF32) {
     const float* r = static_cast<const float*>(row) + kVals * lane;
     if (vec) {
       const float4 a = reinterpret_cast<const float4*>(r)[0], b = reinterpret_cast<const float4*>(r)[1];
@@ -79,7 +86,7 @@ __device__ __forceinline__ void load_row8(const void* row, int dt, int lane, boo
     for (int e = 0; e < kVals; ++e) h[e] = r[e];
   }
 #pragma unroll
-  for (int e = 0; e < kVals; ++e) v[e] = dt == kBF16 ? bf16_to_f32(h[e]) : fp16_to_f32(h[e]);
+  for (int e = 0; e < kVals; ++e) v[e] = DT == kBF16 ? bf16_to_f32(h[e]) : fp16_to_f32(h[e]);
 }
 
 // SPEC §0.2 canonical sum of a row of 128 whose lane holds terms t[0..7]; every lane gets the sum.
@@ -105,9 +112,9 @@ __device__ __forceinline__ float group_amax(unsigned mask, const float (&v)[kVal
 
 // N consecutive (cos, sin) pairs j0 .. j0+N-1 (N = 4 or 8, j0 a multiple of N) of a table (indexer.h
 // RopeArgs) at position p; vector loads when the table is aligned.
-template <int N>
+template <int N, int CDT>
 __device__ __forceinline__ void rope_load(const RopeArgs& t, int64_t p, int j0, float (&c)[N], float (&s)[N]) {
-  if (t.pairs) {   // fp32 (cos, sin) pairs
+  if (CDT == kPairs) {   // fp32 (cos, sin) pairs
     const float* f = static_cast<const float*>(t.cos) + p * t.row_stride + 2 * j0;
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -117,7 +124,7 @@ __device__ __forceinline__ void rope_load(const RopeArgs& t, int64_t p, int j0, 
     return;
   }
   const int64_t off = p * t.row_stride + j0;
-  if (t.dtype == kF32) {
+  if (CDT == kF32) {
     const float* cp = static_cast<const float*>(t.cos) + off;
     const float* sp = static_cast<const float*>(t.sin) + off;
 #pragma unroll
@@ -154,18 +161,19 @@ __device__ __forceinline__ void rope_load(const RopeArgs& t, int64_t p, int j0, 
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    c[i] = t.dtype == kBF16 ? bf16_to_f32(hc[i]) : fp16_to_f32(hc[i]);
-    s[i] = t.dtype == kBF16 ? bf16_to_f32(hs[i]) : fp16_to_f32(hs[i]);
+    c[i] = CDT == kBF16 ? bf16_to_f32(hc[i]) : fp16_to_f32(hc[i]);
+    s[i] = CDT == kBF16 ? bf16_to_f32(hs[i]) : fp16_to_f32(hs[i]);
   }
 }
 
 // SPEC §5 RoPE on the row's rope dims (head: 0..63 = lanes 0..7; tail: 64..127 = lanes 8..15).
-__device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVals], const RopeArgs& tab,
-                                         int64_t pos, bool neox, bool tail) {
+template <bool NEOX, bool TAIL, int CDT>
+__device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVals], const RopeArgs& tab, int64_t pos) {
+  constexpr bool neox = NEOX, tail = TAIL;
   const int base = tail ? 8 : 0;
   const bool mine = lane >= base && lane < base + 8;
   const int rl = lane - base;   // lane within the rope dims (0..7 when mine)
-  if (neox) {
+  if constexpr (neox) {
     // Partner lane holds dims +-32: lanes rl and rl ^ 4. Every lane shuffles (uniform control flow).
     float other[kVals];
 #pragma unroll
@@ -173,7 +181,7 @@ __device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVa
     if (!mine) return;
     const bool first = rl < 4;   // holds a = x[j], partner holds b = x[j + 32]
     float c[kVals], s[kVals];
-    rope_load<kVals>(tab, pos, 8 * (rl & 3), c, s);
+    rope_load<kVals, CDT>(tab, pos, 8 * (rl & 3), c, s);
 #pragma unroll
     for (int e = 0; e < kVals; ++e) {
       float a = first ? v[e] : other[e], b = first ? other[e] : v[e];
@@ -183,7 +191,7 @@ __device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVa
   } else {
     if (!mine) return;
     float c[kVals / 2], s[kVals / 2];
-    rope_load<kVals / 2>(tab, pos, 4 * rl, c, s);
+    rope_load<kVals / 2, CDT>(tab, pos, 4 * rl, c, s);
 #pragma unroll
     for (int e = 0; e < kVals; e += 2) rope_pair(v[e], v[e + 1], c[e / 2], s[e / 2]);
   }
@@ -226,6 +234,31 @@ __device__ __forceinline__ uint32_t fp4_quant8(unsigned mask, const float (&v)[k
     word |= static_cast<uint32_t>(e2m1_encode_pair(canon(v[2 * i]), canon(v[2 * i + 1]), e, r)) << (8 * i);
   e_out = e;
   return word;
+}
+
+}  // namespace dsqk
+
+namespace dsqk {
+
+// Host-side dispatch of runtime codes to template parameters: f(std::integral_constant<...>{}...).
+template <int V>
+using IC = std::integral_constant<int, V>;
+
+template <class F>
+void with_half(int dt, F&& f) {   // bf16 or fp16 input rows
+  if (dt == kBF16) f(IC<kBF16>{}); else f(IC<kF16>{});
+}
+template <class F>
+void with_float(int dt, F&& f) {  // bf16, fp16 or fp32 input rows
+  if (dt == kBF16) f(IC<kBF16>{}); else if (dt == kF16) f(IC<kF16>{}); else f(IC<kF32>{});
+}
+template <class F>
+void with_table(const RopeArgs& r, F&& f) {   // cos/sin table kind
+  if (r.pairs) f(IC<kPairs>{}); else with_float(r.dtype, f);
+}
+template <class F>
+void with_bool(bool b, F&& f) {
+  if (b) f(std::true_type{}); else f(std::false_type{});
 }
 
 }  // namespace dsqk

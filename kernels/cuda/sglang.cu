@@ -8,27 +8,28 @@ namespace dsqk {
 // SPEC §7.2 stage 1 (recip fake-quant, rounded to bf16) then stage 2 (rule pack, codes by `r`):
 // returns the lane's 4 payload bytes and the block's stage-2 exponent.
 __device__ __forceinline__ uint32_t two_stage(unsigned mask, float (&v)[kVals], Rounding r, int& e2) {
-  const float s1 = pow2(ue8m0_exponent(group_amax(mask, v, 4), ScaleRule::recip));
+  const int e1 = ue8m0_exponent(group_amax(mask, v, 4), ScaleRule::recip);
 #pragma unroll
-  for (int e = 0; e < kVals; ++e) v[e] = round_to_bf16(fp4_fake_quant_value(canon(v[e]), s1));
+  for (int e = 0; e < kVals; ++e) v[e] = round_to_bf16(fp4_fake_quant_value_e(canon(v[e]), e1));
   return fp4_quant8(mask, v, ScaleRule::pack, r, e2);
 }
 
+template <int IN_DT, int CDT, int MODE>
 __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   const int lane = threadIdx.x & 15;
   const unsigned mask = group_mask();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
   if (t >= a.T) return;
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
-  const bool v41 = a.mode == 0;
+  constexpr bool v41 = MODE == 0;
   if (slot < (v41 ? 1 : 0)) return;                 // §7.2: slot 0 reserved; negative slots skipped
-  const int64_t capacity = a.mode == 2 ? a.num_blocks : a.num_blocks * a.P;
+  const int64_t capacity = MODE == 2 ? a.num_blocks : a.num_blocks * a.P;
   if (slot >= capacity) {
     if (lane == 0) atomicOr(a.err_flag, 1);
     return;
   }
   float v[kVals];
-  load_row8(static_cast<const char*>(a.k) + t * a.k_st * (a.in_dt == kF32 ? 4 : 2), a.in_dt, lane, a.k_vec, v);
+  load_row8<IN_DT>(static_cast<const char*>(a.k) + t * a.k_st * (IN_DT == kF32 ? 4 : 2), lane, a.k_vec, v);
   // RMSNorm (SPEC §5): inv = 1/sqrt(S(x*x)/128 + eps), y = fl(w * fl(x*inv)).
   float sq[kVals];
 #pragma unroll
@@ -37,33 +38,34 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
 #pragma unroll
   for (int e = 0; e < kVals; ++e) {
     v[e] = rms_norm_apply(v[e], inv, load_f(a.norm_w, kVals * lane + e, a.norm_w_dt));
-    if (v41) v[e] = round_to(v[e], a.in_dt);
+    if (v41) v[e] = round_to<IN_DT>(v[e]);
   }
   const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, a.compress_ratio);
-  rope_row(mask, lane, v, a.rope, pos, /*neox=*/false, /*tail=*/true);
+  rope_row</*NEOX=*/false, /*TAIL=*/true, CDT>(mask, lane, v, a.rope, pos);
   const Rounding r = static_cast<Rounding>(a.rounding);
   const int g = lane >> 2;
   const bool first = (lane & 3) == 0;
   int e;
-  if (v41) {
+  if constexpr (v41) {
 #pragma unroll
-    for (int i = 0; i < kVals; ++i) v[i] = round_to(v[i], a.in_dt);
+    for (int i = 0; i < kVals; ++i) v[i] = round_to<IN_DT>(v[i]);
     const uint32_t word = two_stage(mask, v, r, e);
     *reinterpret_cast<uint32_t*>(a.cache + packed68_payload_offset(slot, a.P, 4 * lane)) = word;
     if (first) a.cache[packed68_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
-    return;
-  }
+  } else {
   if (a.hadamard) hadamard_row(mask, lane, v);
   const uint32_t word = fp4_quant8(mask, v, ScaleRule::recip, r, e);
-  if (a.mode == 1) {
+  if (MODE == 1) {
     *reinterpret_cast<uint32_t*>(a.cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = word;
     if (first) a.cache_scale[aiter_fp4_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
   } else {
     reinterpret_cast<uint32_t*>(a.cache + slot * 64)[lane] = word;
     if (first) a.cache_scale[slot * 4 + g] = static_cast<uint8_t>(e);
   }
+  }
 }
 
+template <int IN_DT, int MODE>
 __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
   const int lane = threadIdx.x & 15;
   const unsigned mask = group_mask();
@@ -71,12 +73,12 @@ __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
   if (row >= a.T * a.H) return;
   const int64_t t = row / a.H, h = row % a.H;
   float v[kVals];
-  load_row8(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, a.in_dt, lane, a.q_vec, v);
+  load_row8<IN_DT>(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, lane, a.q_vec, v);
   const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, a.compress_ratio);
-  rope_row(mask, lane, v, a.rope, pos, /*neox=*/false, /*tail=*/true);
+  rope_row</*NEOX=*/false, /*TAIL=*/true, kPairs>(mask, lane, v, a.rope, pos);
 #pragma unroll
-  for (int e = 0; e < kVals; ++e) v[e] = round_to(v[e], a.in_dt);
-  if (a.mode == 0) {
+  for (int e = 0; e < kVals; ++e) v[e] = round_to<IN_DT>(v[e]);
+  if constexpr (MODE == 0) {
     int e;
     const uint32_t word = two_stage(mask, v, static_cast<Rounding>(a.rounding), e);
     reinterpret_cast<uint32_t*>(a.payload + row * 64)[lane] = word;
@@ -87,33 +89,56 @@ __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
       a.exps[row] = static_cast<int32_t>(packed);
       a.w_out[row] = round_to_bf16(fmul(load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt), a.weight_scale));
     }
-    return;
-  }
+  } else {
   // rope_fake_quant_fp4: stage 1 alone, ue8m0 scales on blocks of 32 or e4m3 scales on blocks of 16.
-  const float amax = group_amax(mask, v, a.mode == 1 ? 4 : 2);
-  const float s = a.mode == 1 ? pow2(ue8m0_exponent(amax, ScaleRule::recip)) : nvfp4_e4m3_scale(amax);
+  const float amax = group_amax(mask, v, MODE == 1 ? 4 : 2);
+  const int e1 = ue8m0_exponent(amax, ScaleRule::recip);
+  const float s = MODE == 1 ? pow2(e1) : nvfp4_e4m3_scale(amax);
   uint16_t hbits[kVals];
 #pragma unroll
-  for (int e = 0; e < kVals; ++e) hbits[e] = to_half_bits(fp4_fake_quant_value(canon(v[e]), s), a.in_dt);
+  for (int e = 0; e < kVals; ++e) hbits[e] = to_half_bits<IN_DT>(MODE == 1 ? fp4_fake_quant_value_e(canon(v[e]), e1) : fp4_fake_quant_value(canon(v[e]), s));
   uint4 out;
   out.x = hbits[0] | (static_cast<uint32_t>(hbits[1]) << 16);
   out.y = hbits[2] | (static_cast<uint32_t>(hbits[3]) << 16);
   out.z = hbits[4] | (static_cast<uint32_t>(hbits[5]) << 16);
   out.w = hbits[6] | (static_cast<uint32_t>(hbits[7]) << 16);
   reinterpret_cast<uint4*>(a.fq_out + row * 128)[lane] = out;
+  }
 }
 
 }  // namespace dsqk
 
 int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream) {
   if (a.T == 0) return 0;
-  dsqk::kstore_kernel<<<static_cast<unsigned>((a.T + 15) / 16), 256, 0, stream>>>(a);
+  using namespace dsqk;
+  const unsigned blocks = static_cast<unsigned>((a.T + 15) / 16);
+  if (a.mode == 0) {
+    with_half(a.in_dt, [&](auto in_dt) {
+      kstore_kernel<decltype(in_dt)::value, kPairs, 0><<<blocks, 256, 0, stream>>>(a);
+    });
+  } else {
+    with_float(a.in_dt, [&](auto in_dt) {
+      with_table(a.rope, [&](auto cdt) {
+        if (a.mode == 1)
+          kstore_kernel<decltype(in_dt)::value, decltype(cdt)::value, 1><<<blocks, 256, 0, stream>>>(a);
+        else
+          kstore_kernel<decltype(in_dt)::value, decltype(cdt)::value, 2><<<blocks, 256, 0, stream>>>(a);
+      });
+    });
+  }
   return static_cast<int>(cudaGetLastError());
 }
 
 int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream) {
   const int64_t rows = a.T * a.H;
   if (rows == 0) return 0;
-  dsqk::qpack_kernel<<<static_cast<unsigned>((rows + 15) / 16), 256, 0, stream>>>(a);
+  using namespace dsqk;
+  const unsigned blocks = static_cast<unsigned>((rows + 15) / 16);
+  with_half(a.in_dt, [&](auto in_dt) {
+    constexpr int D = decltype(in_dt)::value;
+    if (a.mode == 0) qpack_kernel<D, 0><<<blocks, 256, 0, stream>>>(a);
+    else if (a.mode == 1) qpack_kernel<D, 1><<<blocks, 256, 0, stream>>>(a);
+    else qpack_kernel<D, 2><<<blocks, 256, 0, stream>>>(a);
+  });
   return static_cast<int>(cudaGetLastError());
 }

@@ -150,16 +150,19 @@ PYBIND11_MODULE(dsq_header_host, m) {
     }
     return py::make_tuple(packed, exps);
   });
-  // §7.2 stage 1 (blocks of 32, rule recip), fp32 result (callers round).
-  m.def("fp4_fake_quant", [](const arr<float>& x) {
+  // §7.2 stage 1 (blocks of 32, rule recip), fp32 result (callers round). by_exponent: the kernels'
+  // form (multiply by the exact reciprocal of 2^(e-127)) instead of the division by s.
+  m.def("fp4_fake_quant", [](const arr<float>& x, bool by_exponent) {
     return rows_inplace(x, [&](float* row, py::ssize_t) {
       need(x.shape(1) % 32 == 0, "x [R, 32k]");
       for (py::ssize_t b = 0; b < x.shape(1); b += 32) {
-        const float s = dsq::pow2(dsq::fp4_block_exponent(row + b, 32, dsq::ScaleRule::recip));
-        for (int i = 0; i < 32; ++i) row[b + i] = dsq::fp4_fake_quant_value(row[b + i], s);
+        const int e = dsq::fp4_block_exponent(row + b, 32, dsq::ScaleRule::recip);
+        for (int i = 0; i < 32; ++i)
+          row[b + i] = by_exponent ? dsq::fp4_fake_quant_value_e(row[b + i], e)
+                                   : dsq::fp4_fake_quant_value(row[b + i], dsq::pow2(e));
       }
     });
-  });
+  }, py::arg("x"), py::arg("by_exponent") = false);
 
   // ---- FP8 (SPEC §4) ----
   m.def("fp8_encode", [](const arr<float>& x, int f) {

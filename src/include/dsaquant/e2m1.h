@@ -84,14 +84,17 @@ DSQ_HD void fp4_encode_block32(const float* x, int e, Rounding r, uint8_t* out16
 // |y| rounded half to even onto the grid, given the sign of y (a zero y counts as positive:
 // -0 -> +0, small negatives -> -0); times s. A NaN result is the canonical NaN (with e = 255,
 // s = +Inf, the whole block is NaN). Callers round the result to bf16.
-DSQ_HD float fp4_fake_quant_value(float x, float s) {
-  const float y = clamp_hi(clamp_lo(fdiv(x, s), -6.0f), 6.0f);
-  float q = y;
-  if (!is_nan(y)) {
-    q = e2m1_decode(e2m1_encode(abs_f(y), Rounding::rne) & 7u);
-    if (y < 0.0f) q = -q;
-  }
-  return canon_nan(fmul(q, s));
+DSQ_HD float fp4_fake_quant_from_y(float y, float s) {
+  const float yc = clamp_hi(clamp_lo(y, -6.0f), 6.0f);
+  const float q = e2m1_decode(e2m1_encode(abs_f(yc), Rounding::rne) & 7u);
+  return canon_nan(fmul(is_nan(yc) ? yc : (yc < 0.0f ? -q : q), s));
+}
+
+DSQ_HD float fp4_fake_quant_value(float x, float s) { return fp4_fake_quant_from_y(fdiv(x, s), s); }
+
+// The same with a UE8M0 scale s = pow2(e): x / s as an exact multiply by the reciprocal (arith.h inv_pow2).
+DSQ_HD float fp4_fake_quant_value_e(float x, int e) {
+  return fp4_fake_quant_from_y(e == 255 ? fdiv(x, pow2(e)) : fmul(x, inv_pow2(e)), pow2(e));
 }
 
 }  // namespace dsq

@@ -19,25 +19,24 @@ DSQ_HD float fp8_max(Fp8Flavour f) { return f == Fp8Flavour::e4m3fn ? 448.0f : 2
 // -0 and negatives that round to 0 give 0x80 (e4m3fn) or 0x00 (e4m3fnuz). Do not use gfx942's
 // convert instruction: it returns 0x80 (NaN) for values that round to -0 (SPEC §8).
 DSQ_HD uint8_t fp8_encode(float x, Fp8Flavour fl) {
+  // Branch-free (selects only): this runs once per element in every FP8 kernel.
   const bool fn = fl == Fp8Flavour::e4m3fn;
   const uint32_t neg = f2u(x) >> 31;
-  if (is_nan(x)) return static_cast<uint8_t>(fn ? (0x7Fu | (neg << 7)) : 0x80u);
+  const bool nan = is_nan(x);
   const int bias = fp8_bias(fl), emin = 1 - bias;                   // smallest normal exponent
   const float fmax = fp8_max(fl);
-  const float a = clamp_hi(abs_f(x), fmax);
+  const float a = nan ? 0.0f : clamp_hi(abs_f(x), fmax);
   int e = static_cast<int>((f2u(a) >> 23) & 0xFFu) - 127;
-  if (e < emin) e = emin;
-  const float q = pow2(e - 3 + 127);                               // quantum: 3 mantissa bits
-  const float r = clamp_hi(fmul(rint_f(fmul(a, inv_pow2(e - 3 + 127))), q), fmax);  // exact a/q, rint, exact *
-  uint32_t code;
-  if (r >= pow2(emin + 127)) {
-    const uint32_t rb = f2u(r);
-    code = ((((rb >> 23) & 0xFFu) - 127u + static_cast<uint32_t>(bias)) << 3) | ((rb >> 20) & 7u);
-  } else {
-    code = static_cast<uint32_t>(fmul(r, inv_pow2(emin - 3 + 127)));  // subnormal: 0..7, exact
-  }
-  if (fn || code != 0u) code |= neg << 7;
-  return static_cast<uint8_t>(code);
+  e = e < emin ? emin : e;
+  // r = rint(a / q) * q with q = 2^(e-3): the division is an exact multiply by 1/q, the product exact.
+  const float r = clamp_hi(fmul(rint_f(fmul(a, inv_pow2(e - 3 + 127))), pow2(e - 3 + 127)), fmax);
+  const uint32_t rb = f2u(r);
+  const uint32_t code_normal = ((((rb >> 23) & 0xFFu) - 127u + static_cast<uint32_t>(bias)) << 3) | ((rb >> 20) & 7u);
+  const uint32_t code_sub = static_cast<uint32_t>(fmul(r, inv_pow2(emin - 3 + 127)));  // 0..7, exact
+  uint32_t code = r >= pow2(emin + 127) ? code_normal : code_sub;
+  code |= (fn || code != 0u) ? (neg << 7) : 0u;
+  const uint32_t nan_code = fn ? (0x7Fu | (neg << 7)) : 0x80u;
+  return static_cast<uint8_t>(nan ? nan_code : code);
 }
 
 DSQ_HD bool fp8_is_nan(uint8_t c, Fp8Flavour fl) {
