@@ -65,16 +65,31 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   }
 }
 
-template <int IN_DT, int MODE>
-__global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
-  const int lane = threadIdx.x & 15;
-  const unsigned mask = group_mask();
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
-  if (row >= a.T * a.H) return;
-  const int64_t t = row / a.H, h = row % a.H;
+struct QRowIn {
+  int64_t row, t, h, pos;
+  bool valid;
+  float w;
   float v[kVals];
-  load_row8<IN_DT>(static_cast<const uint16_t*>(a.q) + t * a.q_st + h * a.q_sh, lane, a.q_vec, v);
-  const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, a.compress_ratio);
+};
+
+template <int IN_DT, int MODE>
+__device__ __forceinline__ void qpack_load(const QPackArgs& a, int lane, int64_t row, QRowIn& in) {
+  in.row = row;
+  in.valid = row < a.T * a.H;
+  if (!in.valid) return;
+  in.t = row / a.H;
+  in.h = row - in.t * a.H;
+  in.pos = load_i(a.positions, in.t, a.pos_dt);
+  load_row8<IN_DT>(static_cast<const uint16_t*>(a.q) + in.t * a.q_st + in.h * a.q_sh, lane, a.q_vec, in.v);
+  if (MODE == 0) in.w = load_f(a.w, in.t * a.w_st + in.h * a.w_sh, a.w_dt);
+}
+
+template <int IN_DT, int MODE>
+__device__ __forceinline__ void qpack_row(const QPackArgs& a, unsigned mask, int lane, QRowIn& in) {
+  if (!in.valid) return;
+  const int64_t row = in.row;
+  float (&v)[kVals] = in.v;
+  const int64_t pos = rope_position(in.pos, a.rope.max_pos, a.compress_ratio);
   rope_row</*NEOX=*/false, /*TAIL=*/true, kPairs>(mask, lane, v, a.rope, pos);
 #pragma unroll
   for (int e = 0; e < kVals; ++e) v[e] = round_to<IN_DT>(v[e]);
@@ -87,7 +102,7 @@ __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
     for (int g = 0; g < 4; ++g) packed |= static_cast<uint32_t>(__shfl_sync(mask, e, 4 * g, kLanes) & 0xFF) << (8 * g);
     if (lane == 0) {
       a.exps[row] = static_cast<int32_t>(packed);
-      a.w_out[row] = round_to_bf16(fmul(load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt), a.weight_scale));
+      a.w_out[row] = round_to_bf16(fmul(in.w, a.weight_scale));
     }
   } else {
   // rope_fake_quant_fp4: stage 1 alone, ue8m0 scales on blocks of 32 or e4m3 scales on blocks of 16.
@@ -104,6 +119,20 @@ __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
   out.w = hbits[6] | (static_cast<uint32_t>(hbits[7]) << 16);
   reinterpret_cast<uint4*>(a.fq_out + row * 128)[lane] = out;
   }
+}
+
+constexpr int kQRowsPerGroup = 4;   // as the indexer kernel: loads of 4 rows in flight per group
+
+template <int IN_DT, int MODE>
+__global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
+  const int lane = threadIdx.x & 15;
+  const unsigned mask = group_mask();
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * (16 * kQRowsPerGroup) + (threadIdx.x >> 4);
+  QRowIn in[kQRowsPerGroup];
+#pragma unroll
+  for (int i = 0; i < kQRowsPerGroup; ++i) qpack_load<IN_DT, MODE>(a, lane, base + 16 * i, in[i]);
+#pragma unroll
+  for (int i = 0; i < kQRowsPerGroup; ++i) qpack_row<IN_DT, MODE>(a, mask, lane, in[i]);
 }
 
 }  // namespace dsqk
@@ -133,7 +162,7 @@ int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream) {
   const int64_t rows = a.T * a.H;
   if (rows == 0) return 0;
   using namespace dsqk;
-  const unsigned blocks = static_cast<unsigned>((rows + 15) / 16);
+  const unsigned blocks = static_cast<unsigned>((rows + 16 * dsqk::kQRowsPerGroup - 1) / (16 * dsqk::kQRowsPerGroup));
   with_half(a.in_dt, [&](auto in_dt) {
     constexpr int D = decltype(in_dt)::value;
     if (a.mode == 0) qpack_kernel<D, 0><<<blocks, 256, 0, stream>>>(a);
