@@ -102,6 +102,12 @@ void qpack(const py::dict& d, uint64_t stream) {
   check(dsq_qpack_launch(a, stream_of(stream)), "q pack");
 }
 
+void fp8_selfcheck(uint64_t start, uint64_t count, uint64_t out, uint64_t stream) {
+  check(dsq_fp8_selfcheck_launch(start, count, reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(out)),
+                                 stream_of(stream)),
+        "fp8_selfcheck");
+}
+
 }  // namespace
 
 #ifndef DSQ_MODULE_NAME
@@ -113,4 +119,6 @@ PYBIND11_MODULE(DSQ_MODULE_NAME, m) {
   m.def("indexer", &indexer, "SPEC §7.1", py::arg("args"), py::arg("stream"));
   m.def("kstore", &kstore, "SPEC §7.2 k writer and §7.3", py::arg("args"), py::arg("stream"));
   m.def("qpack", &qpack, "SPEC §7.2 q packer and rope_fake_quant_fp4", py::arg("args"), py::arg("stream"));
+  m.def("fp8_selfcheck", &fp8_selfcheck, "hardware vs software e4m3fn encoder over fp32 patterns [start, start+count)",
+        py::arg("start"), py::arg("count"), py::arg("out_ptr"), py::arg("stream"));
 }

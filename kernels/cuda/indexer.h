@@ -74,3 +74,4 @@ struct QPackArgs {           // SPEC §7.2 index_q_rope_pack_weights and rope_fa
 int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream);
 int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream);
 int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream);
+int dsq_fp8_selfcheck_launch(uint64_t start, uint64_t count, unsigned long long* out, cudaStream_t stream);

@@ -121,7 +121,7 @@ __device__ __forceinline__ void qpack_row(const QPackArgs& a, unsigned mask, int
   }
 }
 
-constexpr int kQRowsPerGroup = 4;   // as the indexer kernel: loads of 4 rows in flight per group
+constexpr int kQRowsPerGroup = 1;   // as the indexer kernel
 
 template <int IN_DT, int MODE>
 __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {

@@ -1,0 +1,26 @@
+// kernels/cuda/selfcheck.cu: on-device checks of hardware paths against the header's software
+// definitions. fp8_selfcheck compares fp8_encode2 (the hardware e4m3fn convert on sm_89+) with
+// fp8_encode2_software for the fp32 bit patterns [start, start + count) and adds the mismatches to *out.
+#include "indexer.h"
+#include "row16.cuh"
+
+namespace dsqk {
+
+__global__ void fp8_selfcheck_kernel(uint64_t start, uint64_t count, unsigned long long* out) {
+  unsigned long long bad = 0;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t b0 = static_cast<uint32_t>(start + i);
+    const float x0 = u2f(b0), x1 = u2f(b0 ^ 0x80000000u);   // both signs of each pattern, swapped order
+    bad += fp8_encode2(x0, x1, Fp8Flavour::e4m3fn) != fp8_encode2_software(x0, x1, Fp8Flavour::e4m3fn);
+  }
+  for (int s = 16; s >= 1; s >>= 1) bad += __shfl_xor_sync(0xFFFFFFFFu, bad, s);
+  if ((threadIdx.x & 31) == 0 && bad) atomicAdd(out, bad);
+}
+
+}  // namespace dsqk
+
+int dsq_fp8_selfcheck_launch(uint64_t start, uint64_t count, unsigned long long* out, cudaStream_t stream) {
+  dsqk::fp8_selfcheck_kernel<<<1024, 256, 0, stream>>>(start, count, out);
+  return static_cast<int>(cudaGetLastError());
+}
