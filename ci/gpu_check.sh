@@ -23,13 +23,22 @@ if has build; then
 fi
 python3 -m dsaquant info | tee "$OUT/info.txt"
 if has tests; then
+  eval "extra=(${GPU_TESTS_ARGS:-})"   # e.g. GPU_TESTS_ARGS="-k 'cuda or native'"
   DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout 420 python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu ${GPU_TESTS_ARGS:-} >"$OUT/gpu_tests.log" 2>&1 || status=1
+    tests/gpu "${extra[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
   tail -25 "$OUT/gpu_tests.log"
 fi
 if has bench; then
-  timeout 300 python3 -m dsaquant bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1 || status=1
+  timeout 300 python3 -m dsaquant bench ${GPU_BENCH_ARGS:-} --json "$OUT/bench.json" --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1 || status=1
   cat "$OUT/bench.md" 2>/dev/null || tail -20 "$OUT/bench.log"
+fi
+if has profile && command -v ncu >/dev/null; then
+  for w in fp8 fp4 qpack; do
+    timeout 120 ncu --clock-control none --kernel-name regex:'indexer_kernel|qpack_kernel' --launch-skip 1 --launch-count 1 \
+      --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__bytes.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
+      python3 ci/profile_case.py $w "$BACKEND" >"$OUT/ncu_$w.log" 2>&1
+    echo "ncu $w: $(grep -E 'duration|inst_executed|dram__bytes|warps_active|issue_active|registers' "$OUT/ncu_$w.log" | awk '{print $1, $(NF-1), $NF}' | tr '\n' ';')"
+  done
 fi
 if has sanitize && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck initcheck; do

@@ -99,6 +99,7 @@ void qpack(const py::dict& d, uint64_t stream) {
   a.w_dt = get<int>(d, "w_dt"); a.weight_scale = get<float>(d, "weight_scale");
   a.payload = ptr<uint8_t>(d, "payload"); a.exps = ptr<int32_t>(d, "exps"); a.w_out = ptr<float>(d, "w_out");
   a.fq_out = ptr<uint16_t>(d, "fq_out");
+  a.err_flag = ptr<int>(d, "err_flag");
   check(dsq_qpack_launch(a, stream_of(stream)), "q pack");
 }
 

@@ -116,6 +116,7 @@ def test_bf16_fp16_rounding(h, header_counts):
     got_h = h.round_fp16(x)
     check(header_counts, "round_fp16", h.fp16_to_f32(got_h), arith.round_to(tx, torch.float16))
     nan = np.isnan(x)
+    assert nan.any() and (got_b[nan] == 0x7FC0).all() and (got_h[nan] == 0x7E00).all()   # canonical NaN bits
     check(header_counts, "round_bf16 (torch, non-NaN)", got_b[~nan],
           tx[~nan].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
     check(header_counts, "round_fp16 (torch, non-NaN)", got_h[~nan],

@@ -59,6 +59,8 @@ __device__ __forceinline__ void indexer_row(const IndexerArgs& a, unsigned mask,
   const bool is_q = in.is_q;
   const int64_t row = in.row, t = in.t, h = in.h, slot = in.slot;
   float (&v)[kVals] = in.v;
+  // SPEC §7.5: an out-of-range position is clamped and reported (once per token: by its k row).
+  if (!is_q && lane == 0 && (in.pos < 0 || in.pos >= a.rope.max_pos)) atomicOr(a.err_flag, 2);
   if (is_q ? (!a.compute_all && slot < 0) : slot < 0) return;
   const int64_t capacity = a.num_blocks * a.P;
   if (!is_q && slot >= capacity) {

@@ -69,6 +69,7 @@ struct QPackArgs {           // SPEC §7.2 index_q_rope_pack_weights and rope_fa
   int32_t* exps;             // [T, H]
   float* w_out;              // [T, H]
   uint16_t* fq_out;          // fake quant: [T, H, 128] in in_dt
+  int* err_flag;
 };
 
 int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream);

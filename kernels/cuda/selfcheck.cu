@@ -1,6 +1,7 @@
-// kernels/cuda/selfcheck.cu: on-device checks of hardware paths against the header's software
-// definitions. fp8_selfcheck compares fp8_encode2 (the hardware e4m3fn convert on sm_89+) with
-// fp8_encode2_software for the fp32 bit patterns [start, start + count) and adds the mismatches to *out.
+// kernels/cuda/selfcheck.cu: on-device checks of the hardware paths against the header's software
+// definitions, for the fp32 bit patterns [start, start + count): fp8_encode2 (the e4m3fn convert on
+// sm_89+) vs fp8_encode2_software, and round_bf16 / round_fp16 (cvt.rn on sm_80+) vs their software
+// forms. The mismatches are added to *out.
 #include "indexer.h"
 #include "row16.cuh"
 
@@ -13,6 +14,8 @@ __global__ void fp8_selfcheck_kernel(uint64_t start, uint64_t count, unsigned lo
     const uint32_t b0 = static_cast<uint32_t>(start + i);
     const float x0 = u2f(b0), x1 = u2f(b0 ^ 0x80000000u);   // both signs of each pattern, swapped order
     bad += fp8_encode2(x0, x1, Fp8Flavour::e4m3fn) != fp8_encode2_software(x0, x1, Fp8Flavour::e4m3fn);
+    bad += round_bf16(x0) != round_bf16_software(x0);
+    bad += round_fp16(x0) != round_fp16_software(x0);
   }
   for (int s = 16; s >= 1; s >>= 1) bad += __shfl_xor_sync(0xFFFFFFFFu, bad, s);
   if ((threadIdx.x & 31) == 0 && bad) atomicAdd(out, bad);

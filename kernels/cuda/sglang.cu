@@ -21,6 +21,8 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
   if (t >= a.T) return;
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
+  const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
+  if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, 2);   // SPEC §7.5
   constexpr bool v41 = MODE == 0;
   if (slot < (v41 ? 1 : 0)) return;                 // §7.2: slot 0 reserved; negative slots skipped
   const int64_t capacity = MODE == 2 ? a.num_blocks : a.num_blocks * a.P;
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
     v[e] = rms_norm_apply(v[e], inv, load_f(a.norm_w, kVals * lane + e, a.norm_w_dt));
     if (v41) v[e] = round_to<IN_DT>(v[e]);
   }
-  const int64_t pos = rope_position(load_i(a.positions, t, a.pos_dt), a.rope.max_pos, a.compress_ratio);
+  const int64_t pos = rope_position(pos_in, a.rope.max_pos, a.compress_ratio);
   rope_row</*NEOX=*/false, /*TAIL=*/true, CDT>(mask, lane, v, a.rope, pos);
   const Rounding r = static_cast<Rounding>(a.rounding);
   const int g = lane >> 2;
@@ -89,6 +91,7 @@ __device__ __forceinline__ void qpack_row(const QPackArgs& a, unsigned mask, int
   if (!in.valid) return;
   const int64_t row = in.row;
   float (&v)[kVals] = in.v;
+  if (lane == 0 && in.h == 0 && (in.pos < 0 || in.pos >= a.rope.max_pos)) atomicOr(a.err_flag, 2);   // SPEC §7.5
   const int64_t pos = rope_position(in.pos, a.rope.max_pos, a.compress_ratio);
   rope_row</*NEOX=*/false, /*TAIL=*/true, kPairs>(mask, lane, v, a.rope, pos);
 #pragma unroll

@@ -1,8 +1,9 @@
 """`python -m dsaquant bench`: each op on each GPU backend against the device's copy bandwidth.
 
-Timings are medians of CUDA-event measurements. Large T: each call timed alone, rotating over several
-input sets so the L2 cache does not hold them. Small T (<= 64): the call is captured in a CUDA graph
-(`--graph-calls` copies) and the replay time per call is reported. The bytes moved are the fewest the op
+Timings are medians of CUDA-event measurements around CUDA-graph replays: a graph holds 100 calls
+(T <= 64) or 20 calls (larger T, cycling over 4 input sets so the L2 cache does not hold them), and the
+time per call is reported (device time, no host overhead). The `reference` backend cannot be captured
+(it syncs), so its calls are timed one by one with events (host time between them included). The bytes moved are the fewest the op
 must move (each input read once, each output written once); GB/s = bytes / time, and "% copy" compares
 with a device-to-device copy (bytes read + written) measured in the same run. The `reference` backend
 on the GPU is the unfused torch (eager) pipeline.
@@ -60,19 +61,20 @@ def time_calls(fn, arg_sets, reps: int = 30) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn, args, calls: int = 100, reps: int = 20) -> float:
-    """Median seconds per call when `calls` calls are replayed from one CUDA graph."""
+def time_graph(fn, arg_sets, calls: int = 100, reps: int = 20) -> float:
+    """Median seconds per call when `calls` calls (cycling over `arg_sets`) are replayed from one CUDA
+    graph: device time only, no host overhead between the events."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(args)
+        for a in arg_sets:
+            fn(a)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn(args)
+        for i in range(calls):
+            fn(arg_sets[i % len(arg_sets)])
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -121,8 +123,9 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
                     continue
                 call = (lambda a, b=b, fn=fn: fn(**a, backend=b))
                 try:
-                    if T <= 64 and b != "reference":
-                        sec, how = time_graph(call, sets[0], graph_calls), "graph"
+                    if b != "reference":
+                        n = graph_calls if T <= 64 else 20
+                        sec, how = time_graph(call, sets, n), f"graph x{n}"
                     else:
                         sec, how = time_calls(call, sets), "events"
                 except Exception as e:  # report, keep benchmarking the rest

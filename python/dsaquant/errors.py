@@ -13,7 +13,11 @@ import threading
 import torch
 
 SLOT_OUT_OF_RANGE = 1
-MESSAGES = {SLOT_OUT_OF_RANGE: "a slot id at or past the cache's capacity was skipped (nothing was written for it)"}
+POSITION_OUT_OF_RANGE = 2
+MESSAGES = {
+    SLOT_OUT_OF_RANGE: "a slot id at or past the cache's capacity was skipped (nothing was written for it)",
+    POSITION_OUT_OF_RANGE: "a position outside [0, max_pos) of the RoPE table was clamped into it (SPEC §7.5)",
+}
 
 _lock = threading.Lock()
 _flags: dict[torch.device, torch.Tensor] = {}

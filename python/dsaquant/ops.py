@@ -250,6 +250,9 @@ def rope_fake_quant_fp4(x, positions, freqs, block=32, scale="ue8m0", *, compres
     T, dev = x.shape[0], x.device
     V.tensor("positions", positions, V.INDEX, (T,), dev)
     _check_freqs(freqs, dev)
+    V.number("block", block, (int,))
+    if not isinstance(scale, str):
+        raise TypeError(f"scale: expected a str ('ue8m0' or 'e4m3'), got {type(scale).__name__}")
     if (block, scale) not in ((32, "ue8m0"), (16, "e4m3")):
         raise ValueError(f"block, scale: expected (32, 'ue8m0') or (16, 'e4m3'), got ({block!r}, {scale!r})")
     _check_ratio(compress_ratio)
@@ -395,6 +398,7 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_l
     V.tensor("block_tables", block_tables, V.INDEX, (B, None), dev)
     V.number("max_seq_len", max_seq_len, (int,))
     V.number("weight_scale", weight_scale)
+    V.flag("preshuffle", preshuffle)
     if max_seq_len < 0:
         raise ValueError(f"max_seq_len: expected >= 0, got {max_seq_len}")
     name = dispatch.choose("paged_mqa_logits", dev, backend)

@@ -1,6 +1,6 @@
-"""The hardware e4m3fn convert (used by the CUDA kernels on sm_89+) against the header's software
-encoder, over every fp32 bit pattern (2^32, both signs paired), on the GPU. SPEC/issue 3: a native
-FP8 instruction is used only where a test on that hardware shows it identical."""
+"""The hardware converts the CUDA kernels use (e4m3fn pairs on sm_89+, bf16 and fp16 rounding on sm_80+)
+against the header's software definitions, over every fp32 bit pattern (2^32), on the GPU. Issue 3: a
+native instruction is used only where a test on that hardware shows it identical."""
 import pytest
 import torch
 
@@ -11,7 +11,7 @@ if not torch.cuda.is_available() or not dispatch.available("cuda")[0]:
     pytest.skip("needs a CUDA GPU and the cuda backend", allow_module_level=True)
 
 
-def test_e4m3fn_hardware_convert_matches_software_for_all_fp32():
+def test_hardware_converts_match_software_for_all_fp32():
     from dsaquant import _cuda
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -19,5 +19,6 @@ def test_e4m3fn_hardware_convert_matches_software_for_all_fp32():
     for start in range(0, 1 << 32, chunk):
         _cuda.fp8_selfcheck(start, chunk, out.data_ptr(), stream)
     mism = int(out.item())
-    print(f"e4m3fn hardware vs software: {1 << 33} encodes compared, {mism} mismatches")
+    print(f"hardware vs software converts: {1 << 33} e4m3fn + {1 << 32} bf16 + {1 << 32} fp16 compared, "
+          f"{mism} mismatches")
     assert mism == 0

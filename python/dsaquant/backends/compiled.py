@@ -107,7 +107,7 @@ def make_ops(mod):
                     pos_dt=DTYPE[positions.dtype], compress_ratio=int(compress_ratio),
                     rounding=POLICIES.index(rounding), mode=mode, w=_p(w), w_st=w_.stride(0), w_sh=w_.stride(1),
                     w_dt=DTYPE[w_.dtype], weight_scale=float(weight_scale), payload=_p(payload), exps=_p(exps),
-                    w_out=_p(w_out), fq_out=_p(fq_out), **rope)
+                    w_out=_p(w_out), fq_out=_p(fq_out), err_flag=errors.flag_tensor(q.device).data_ptr(), **rope)
         mod.qpack(args, _stream(q))
 
     def index_q_rope_pack_weights(q, positions, freqs, head_weights, weight_scale, rounding, payload_out, exps_out,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import errors
+
 from .arith import F32, INV_SQRT128, canonical_sum, div, to_f32_scalar
 
 
@@ -21,8 +23,10 @@ HEAD_DIM = 128
 
 def rope_positions(positions: torch.Tensor, max_pos: int, compress_ratio: int = 1) -> torch.Tensor:
     """Positions used for the table look-up (int64): `pos & ~(r-1)`, then clamped into [0, max_pos)
-    (SPEC §5, §7.5)."""
+    (SPEC §5, §7.5). A raw position outside [0, max_pos) raises the device error flag
+    POSITION_OUT_OF_RANGE (reported by dsaquant.check_errors())."""
     p = positions.to(torch.int64)
+    errors.flag_if((p < 0) | (p >= max_pos), errors.POSITION_OUT_OF_RANGE)
     if compress_ratio > 1:
         p = p & ~(compress_ratio - 1)
     return p.clamp(0, max_pos - 1)

@@ -4,6 +4,11 @@
 
 #include "platform.h"
 
+#if defined(__CUDACC__) && !defined(__HIP__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
 namespace dsq {
 
 // ---- SPEC §0.5 / §3: exponents on bits --------------------------------------------------------
@@ -37,19 +42,30 @@ DSQ_HD float nan_amax(const float* x, int n) {
 constexpr uint32_t kCanonicalNanBits = 0x7FC00000u;
 DSQ_HD float canon_nan(float x) { return is_nan(x) ? u2f(kCanonicalNanBits) : x; }
 
-// ---- SPEC §0.4: round to bf16 / fp16 (nearest even) ----------------------------------------------
-// A NaN becomes the canonical NaN: bf16 0x7FC0, fp16 0x7E00 (see canon_nan).
-DSQ_HD uint16_t round_bf16(float x) {
+// ---- SPEC §0.4: round to bf16 / fp16 (nearest even) -------------------------------------------
+// A NaN becomes the canonical NaN of the format (bf16 0x7FC0, fp16 0x7E00), as the reference's
+// `cast`/`round_to` store it (torch's own NaN bits differ between CPU and CUDA). The *_software forms
+// are the definition; on NVIDIA sm_80+ round_bf16/round_fp16 use the hardware converts (cvt.rn), which
+// tests/gpu/test_fp8_native.py checks against the software forms over all 2^32 inputs on the GPU.
+DSQ_HD uint16_t round_bf16_software(float x) {
+  if (is_nan(x)) return 0x7FC0u;
   const uint32_t u = f2u(x);
-  if (is_nan(x)) return static_cast<uint16_t>(kCanonicalNanBits >> 16);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+DSQ_HD uint16_t round_bf16(float x) {
+#if defined(DSQ_CUDA_DEVICE) && (__CUDA_ARCH__ >= 800) && !defined(DSQ_SOFTWARE_ROUNDING)
+  return is_nan(x) ? static_cast<uint16_t>(0x7FC0u) : __bfloat16_as_ushort(__float2bfloat16_rn(x));
+#else
+  return round_bf16_software(x);
+#endif
 }
 
 DSQ_HD float bf16_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
 
 DSQ_HD float round_to_bf16(float x) { return bf16_to_f32(round_bf16(x)); }
 
-DSQ_HD uint16_t round_fp16(float x) {
+DSQ_HD uint16_t round_fp16_software(float x) {
   const uint32_t u = f2u(x);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
@@ -67,6 +83,14 @@ DSQ_HD uint16_t round_fp16(float x) {
   const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
   if (rem > half || (rem == half && (q & 1u))) ++q;
   return static_cast<uint16_t>(sign | q);
+}
+
+DSQ_HD uint16_t round_fp16(float x) {
+#if defined(DSQ_CUDA_DEVICE) && (__CUDA_ARCH__ >= 800) && !defined(DSQ_SOFTWARE_ROUNDING)
+  return is_nan(x) ? static_cast<uint16_t>(0x7E00u) : __half_as_ushort(__float2half_rn(x));
+#else
+  return round_fp16_software(x);
+#endif
 }
 
 DSQ_HD float fp16_to_f32(uint16_t h) {

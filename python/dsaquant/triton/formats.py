@@ -1,0 +1,531 @@
+"""SPEC §0-§6 format math, restated once in Triton (`@triton.jit` device functions).
+
+Every function here is the Triton twin of a helper in python/dsaquant/reference/ and must give the same
+bits on a GPU and under TRITON_INTERPRET=1. Rules followed throughout (SPEC §0, §8):
+- one IEEE binary32 operation per step, in the reference's order and with the reference's operand order;
+  kernels are launched with `enable_fp_fusion=False` so no FMA is formed;
+- `tl.math.div_rn` for division (Triton's `/` is approximate on NVIDIA) and `sqrt_cr` below for the
+  square root; division by a power of two is done as a multiplication by its exact inverse
+  (same correctly rounded result), never log2/exp2;
+- bf16 values are handled as raw 16-bit integers (loaded through int16 views, rounded by integer bit
+  arithmetic), because the interpreter truncates fp32 -> bf16 and mishandles bf16 subnormals;
+- NaN handling follows the reference: every rounding to bf16/fp16, every quantizer's entry and the FP8
+  scale product make NaN the canonical +0x7FC00000 (reference `canon_nan`), and stored bf16/fp16/fp32
+  outputs hold the canonical NaN of their dtype (reference `cast`), so no platform-dependent NaN bits
+  reach a byte.
+
+Row data of the 128-wide head dim is carried as four [R, 32] fp32 tiles t0..t3 (dims 32k..32k+31). That
+shape makes the FP4 blocks of 32 whole tiles, the neox head RoPE elementwise between t0 and t1, and the
+first two levels of the canonical-sum butterfly (SPEC §0.2) and of the Hadamard elementwise between
+tiles; what is left is done inside a tile with reshape/split/join, always in the SPEC's order.
+"""
+from __future__ import annotations
+
+import struct
+
+import triton
+import triton.language as tl
+
+
+def _f32(b: int) -> float:
+    """The fp32 with bit pattern b, as an exact Python float."""
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+# Dtype kinds of tensors the kernels read or write (bf16 tensors are passed as int16 views).
+KIND_F32: tl.constexpr = tl.constexpr(0)
+KIND_BF16: tl.constexpr = tl.constexpr(1)
+KIND_F16: tl.constexpr = tl.constexpr(2)
+
+# SPEC constants, exact fp32 values.
+INV6: tl.constexpr = tl.constexpr(_f32(0x3E2AAAAB))            # fl(1/6), §3 rule recip
+RECIP_FLOOR: tl.constexpr = tl.constexpr(6.0 * 2.0 ** -126)     # §3 rule recip: max(amax, 6*2^-126)
+ONE_EM4: tl.constexpr = tl.constexpr(_f32(0x38D1B717))          # 1e-4f
+ONE_EM10: tl.constexpr = tl.constexpr(_f32(0x2EDBE6FF))         # 1e-10f
+INV_SQRT128: tl.constexpr = tl.constexpr(_f32(0x3DB504F3))      # fl(128^-0.5), §5 Hadamard
+INV128: tl.constexpr = tl.constexpr(2.0 ** -7)                  # exact: x / 128 == x * 2^-7
+CANON_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)         # reference arith.CANONICAL_NAN_BITS
+E4M3_TWO_M9: tl.constexpr = tl.constexpr(2.0 ** -9)             # §7.2 e4m3 scale clamp
+FLT_INF: tl.constexpr = tl.constexpr(float("inf"))
+
+
+def fp8_consts(flavour: str):
+    """(bias, fmax, fl(1/fmax)) of an FP8 flavour (SPEC §4) as exact Python numbers."""
+    if flavour == "e4m3fn":
+        return 7, 448.0, _f32(0x3B124925)
+    if flavour == "e4m3fnuz":
+        return 8, 240.0, _f32(0x3B888889)
+    raise ValueError(f"fp8 flavour must be 'e4m3fn' or 'e4m3fnuz', got {flavour!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# bits, conversions, loads and stores
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def as_bits(x):
+    """fp32 -> int32 bit pattern."""
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def from_bits(b):
+    """int32 bit pattern -> fp32."""
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def is_nan(x):
+    return x != x
+
+
+@triton.jit
+def negate(x):
+    """-x by flipping the sign bit (Triton lowers unary minus to 0 - x, which turns -0 into +0)."""
+    return from_bits(as_bits(x) ^ -2147483648)
+
+
+@triton.jit
+def canon_nan(x):
+    """Reference `canon_nan`: every NaN becomes +0x7FC00000."""
+    return tl.where(x != x, from_bits(tl.full(x.shape, CANON_NAN_BITS, tl.int32)), x)
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, KIND: tl.constexpr, NATIVE: tl.constexpr):
+    """Load values of dtype KIND and convert them exactly to fp32. NATIVE (GPU): a bf16 pointer and the
+    hardware conversion; otherwise (interpreter) bf16 comes through an int16 view and a shift."""
+    if KIND == KIND_BF16 and not NATIVE:
+        v = tl.load(ptr + offs, mask=mask, other=0)
+        return from_bits(v.to(tl.int32) << 16)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def round_bf16(x, NATIVE: tl.constexpr):
+    """SPEC §0.4 round fp32 to bf16 (nearest even), returned as fp32.
+
+    A NaN stays a NaN whose bits are unspecified (NATIVE: the hardware conversion; otherwise the canonical
+    NaN): every consumer either ignores NaN (amax) or canonicalises it (quantizer entry, FP8 encode, stores),
+    which is what the reference's canonical NaN amounts to. Not NATIVE: integer bit arithmetic (the
+    interpreter's fp32 -> bf16 cast truncates)."""
+    if NATIVE:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        b = as_bits(x)
+        r = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
+        return tl.where(x != x, from_bits(tl.full(x.shape, CANON_NAN_BITS, tl.int32)), from_bits(r))
+
+
+@triton.jit
+def round_f16(x):
+    """SPEC §0.4 round fp32 to fp16 (nearest even), returned as fp32 (NaN: see round_bf16)."""
+    return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def round_to(x, KIND: tl.constexpr, NATIVE: tl.constexpr):
+    """Reference `round_to(x, dtype)` for dtype KIND, up to NaN bits (see round_bf16); fp32: identity."""
+    if KIND == KIND_BF16:
+        return round_bf16(x, NATIVE)
+    elif KIND == KIND_F16:
+        return round_f16(x)
+    else:
+        return x
+
+
+@triton.jit
+def cast_for_store(x, KIND: tl.constexpr):
+    """Reference `cast(x, dtype)`: fp32 -> the value stored in a tensor of dtype KIND (nearest even), every
+    NaN as the canonical quiet NaN of that dtype (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00). bf16 comes
+    back as int16 bits (bf16 tensors are written through int16 views)."""
+    if KIND == KIND_BF16:
+        b = as_bits(x)
+        r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+        return tl.where(x != x, 0x7FC0, r).to(tl.int16)
+    elif KIND == KIND_F16:
+        h = x.to(tl.float16).to(tl.int16, bitcast=True)
+        return tl.where(x != x, 0x7E00, h).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return canon_nan(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# exponents on bits (SPEC §0.5, §3)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def pow2(e):
+    """2^(e-127) for a biased exponent e (int32), built from bits (e = 255 gives +Inf)."""
+    return from_bits(e << 23)
+
+
+@triton.jit
+def pow2_inv(e):
+    """The exact fp32 2^(127-e) for e in 1..254 (2^-127 is the subnormal 0x00400000); 0 for e = 255.
+    x * pow2_inv(e) equals the reference's x / pow2(e) bit for bit (both are the correctly rounded
+    x * 2^(127-e); for e = 255 both give ±0 for finite x and NaN for infinite x)."""
+    b = tl.where(e < 254, (254 - e) << 23, 0x00400000)
+    b = tl.where(e >= 255, 0, b)
+    return from_bits(b)
+
+
+@triton.jit
+def ceil_exp(f):
+    """SPEC §3: biased exponent of the smallest power of two >= f (f >= 0), from bits."""
+    b = as_bits(f)
+    return ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def ue8m0_recip(amax):
+    """SPEC §3 rule `recip`: f = max(amax, 6*2^-126) * fl(1/6); e = ceil_exp(f) (255 when f is Inf)."""
+    f = tl.where(amax < RECIP_FLOOR, RECIP_FLOOR, amax) * INV6
+    return ceil_exp(f)
+
+
+@triton.jit
+def ue8m0_pack(amax):
+    """SPEC §3 rule `pack`: ceil_exp(max(amax / 6.0f, 1e-4f)) clamped to [1, 254]."""
+    f = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    f = tl.where(f < ONE_EM4, ONE_EM4, f)
+    e = ceil_exp(f)
+    return tl.minimum(tl.maximum(e, 1), 254)
+
+
+@triton.jit
+def amax_tile(x, NATIVE: tl.constexpr):
+    """SPEC §0.3 max |x| along the last axis ignoring NaN (all NaN: 0). x [R, n] -> [R].
+    NATIVE: the GPU's maxNum (max.f32 / v_max_f32 ignore a NaN operand) with a final max with 0 for an
+    all-NaN block; the interpreter's maximum propagates NaN, so NaN is replaced by 0 first there."""
+    a = tl.abs(x)
+    if NATIVE:
+        return tl.maximum(tl.max(a, axis=1), 0.0)
+    else:
+        a = tl.where(a != a, 0.0, a)
+        return tl.max(a, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the canonical sum (SPEC §0.2) of four [R, 32] tiles
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def quad_partials(t, R: tl.constexpr):
+    """[R, 32] -> [R, 8]: p[i] = ((x[4i] + x[4i+1]) + x[4i+2]) + x[4i+3]."""
+    x = tl.reshape(t, (R, 8, 2, 2))
+    x_even, x_odd = tl.split(x)          # [R, 8, 2]: (x[4i], x[4i+2]) and (x[4i+1], x[4i+3])
+    e0, e2 = tl.split(x_even)
+    e1, e3 = tl.split(x_odd)
+    return ((e0 + e1) + e2) + e3
+
+
+@triton.jit
+def halve(p, R: tl.constexpr, N: tl.constexpr):
+    """One butterfly level on [R, N] partials: out[i] = p[i] + p[i + N/2], i < N/2 (lower index first)."""
+    x = tl.permute(tl.reshape(p, (R, 2, N // 2)), (0, 2, 1))   # [R, N/2, 2]
+    lo, hi = tl.split(x)
+    return lo + hi
+
+
+@triton.jit
+def canonical_sum4(t0, t1, t2, t3, R: tl.constexpr):
+    """SPEC §0.2 canonical sum of each 128-row given as tiles t0..t3 [R, 32] -> [R].
+
+    Partials p[0..7] come from t0, p[8..15] from t1, p[16..23] from t2, p[24..31] from t3. Level s = 16
+    adds p[i] + p[i+16] (t0 with t2, t1 with t3), level 8 adds those two, levels 4, 2, 1 halve in-tile."""
+    p0 = quad_partials(t0, R)
+    p1 = quad_partials(t1, R)
+    p2 = quad_partials(t2, R)
+    p3 = quad_partials(t3, R)
+    s = (p0 + p2) + (p1 + p3)            # [R, 8]
+    s = halve(s, R, 8)
+    s = halve(s, R, 4)
+    s = halve(s, R, 2)                   # [R, 1]
+    return tl.reshape(s, (R,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# RoPE, norms, Hadamard (SPEC §5)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def rope_pair(a, b, c, s):
+    """a' = fl(fl(a*c) - fl(b*s)), b' = fl(fl(b*c) + fl(a*s))."""
+    return a * c - b * s, b * c + a * s
+
+
+@triton.jit
+def rope_interleaved_tile(t, c, s, R: tl.constexpr):
+    """Interleaved pairs (2j, 2j+1) inside one [R, 32] tile; c, s [R, 16] (pair j of the tile)."""
+    x = tl.reshape(t, (R, 16, 2))
+    a, b = tl.split(x)
+    a2, b2 = rope_pair(a, b, c, s)
+    return tl.reshape(tl.join(a2, b2), (R, 32))
+
+
+@triton.jit
+def sqrt_cr(v):
+    """Correctly rounded fp32 sqrt of v (fp32, any value), the same on every target and the interpreter.
+
+    Not tl.math.sqrt_rn: on AMD, Triton lowers it to v_rsq_f32 plus one Newton/Markstein step, which is
+    not proven correctly rounded and reads denormals through rsq. Here: the fp64 square root rounded to
+    fp32 (correctly rounded when the fp64 sqrt is: 53 >= 2*24 + 2 bits), then an exact fix-up against the
+    two neighbours, so a faithful-only fp64 sqrt would still give the right bits: the square of the
+    midpoint between s and a neighbour is exact in fp64 (<= 50 bits) and never equals v."""
+    vd = v.to(tl.float64)
+    s = tl.sqrt(vd).to(tl.float32)
+    b = as_bits(s)
+    ok = (v > 0.0) & (v < FLT_INF) & (b > 0)
+    lo = from_bits(tl.where(ok, b - 1, b)).to(tl.float64)
+    hi = from_bits(tl.where(ok, b + 1, b)).to(tl.float64)
+    sd = s.to(tl.float64)
+    m_lo = (lo + sd) * 0.5
+    m_hi = (sd + hi) * 0.5
+    s = tl.where(ok & (vd < m_lo * m_lo), lo.to(tl.float32), s)
+    s = tl.where(ok & (vd > m_hi * m_hi), hi.to(tl.float32), s)
+    return s
+
+
+@triton.jit
+def inv_sqrt(v):
+    """fl(1 / fl(sqrt(v))), both correctly rounded (SPEC §0.1)."""
+    return tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), sqrt_cr(v))
+
+
+@triton.jit
+def rms_inv(t0, t1, t2, t3, eps, R: tl.constexpr):
+    """SPEC §5 RMSNorm factor: 1 / sqrt(S(x*x)/128 + eps), correctly rounded. [R]."""
+    ss = canonical_sum4(t0 * t0, t1 * t1, t2 * t2, t3 * t3, R)
+    return inv_sqrt(ss * INV128 + eps)
+
+
+@triton.jit
+def hadamard_tile_level(x, R: tl.constexpr, H: tl.constexpr):
+    """One Sylvester level with stride H (1..16) inside a [R, 32] tile: (a, b) at (i, i+H), bit H of i
+    clear -> (a+b, a-b)."""
+    if H == 1:
+        a, b = tl.split(tl.reshape(x, (R, 16, 2)))
+        return tl.reshape(tl.join(a + b, a - b), (R, 32))
+    else:
+        y = tl.permute(tl.reshape(x, (R, 32 // (2 * H), 2, H)), (0, 1, 3, 2))   # [R, G, H, 2]
+        a, b = tl.split(y)
+        z = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))                    # [R, G, 2, H]
+        return tl.reshape(z, (R, 32))
+
+
+@triton.jit
+def hadamard4(t0, t1, t2, t3, R: tl.constexpr):
+    """SPEC §5 128-point Hadamard of rows given as four [R, 32] tiles, times fl(128^-0.5)."""
+    t0 = hadamard_tile_level(t0, R, 1)
+    t1 = hadamard_tile_level(t1, R, 1)
+    t2 = hadamard_tile_level(t2, R, 1)
+    t3 = hadamard_tile_level(t3, R, 1)
+    t0 = hadamard_tile_level(t0, R, 2)
+    t1 = hadamard_tile_level(t1, R, 2)
+    t2 = hadamard_tile_level(t2, R, 2)
+    t3 = hadamard_tile_level(t3, R, 2)
+    t0 = hadamard_tile_level(t0, R, 4)
+    t1 = hadamard_tile_level(t1, R, 4)
+    t2 = hadamard_tile_level(t2, R, 4)
+    t3 = hadamard_tile_level(t3, R, 4)
+    t0 = hadamard_tile_level(t0, R, 8)
+    t1 = hadamard_tile_level(t1, R, 8)
+    t2 = hadamard_tile_level(t2, R, 8)
+    t3 = hadamard_tile_level(t3, R, 8)
+    t0 = hadamard_tile_level(t0, R, 16)
+    t1 = hadamard_tile_level(t1, R, 16)
+    t2 = hadamard_tile_level(t2, R, 16)
+    t3 = hadamard_tile_level(t3, R, 16)
+    # h = 32: (t0, t1) and (t2, t3); h = 64: (t0, t2) and (t1, t3)
+    u0 = t0 + t1
+    u1 = t0 - t1
+    u2 = t2 + t3
+    u3 = t2 - t3
+    v0 = u0 + u2
+    v2 = u0 - u2
+    v1 = u1 + u3
+    v3 = u1 - u3
+    return v0 * INV_SQRT128, v1 * INV_SQRT128, v2 * INV_SQRT128, v3 * INV_SQRT128
+
+
+# ---------------------------------------------------------------------------------------------------
+# E2M1 (SPEC §1, §2)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def e2m1_magnitude_index(a, POLICY: tl.constexpr):
+    """Index 0..7 of |v| = a (fp32 >= 0 or NaN) on the E2M1 grid [0, .5, 1, 1.5, 2, 3, 4, 6]; int32.
+    POLICY 0 (threshold): ties toward zero; 1 (rne) / 2 (hardware): ties to even. NaN and a > 5 give 7.
+
+    a >= 1 is E2M1's normal range (1 mantissa bit): the mantissa is rounded on the fp32 bits (adding
+    2^21 - 1, plus the kept bit for ties-to-even; a carry moves into the exponent exactly), and the index
+    is the rounded bits >> 22 minus 252 (1.0 = 0x3F800000 -> 2). Below 1 the quantum is 0.5: rne adds
+    2^22 in fp32 (round half even to a multiple of 0.5, exact) and reads the multiple off the bits;
+    threshold compares against 0.25 and 0.75. Values are clamped to 6 first (6 -> 7)."""
+    c = tl.minimum(a, 6.0)                                   # NaN: handled at the end
+    b = as_bits(c)
+    if POLICY == 0:
+        m_norm = ((b + 0x1FFFFF) >> 22) - 252
+        m_sub = (c > 0.25).to(tl.int32) + (c > 0.75).to(tl.int32)
+    else:
+        m_norm = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
+        m_sub = as_bits(c + 4194304.0) - 0x4A800000           # bits(2^22) = 0x4A800000
+    m = tl.where(c < 1.0, m_sub, m_norm)
+    return tl.where(a != a, 7, m)
+
+
+@triton.jit
+def e2m1_encode(v, POLICY: tl.constexpr):
+    """SPEC §2: scaled fp32 v -> 4-bit code (int32). POLICY 0 threshold, 1 rne, 2 hardware (raw: a NaN
+    keeps its sign under hardware, as the reference's e2m1_encode)."""
+    m = e2m1_magnitude_index(tl.abs(v), POLICY)
+    if POLICY == 2:
+        sign = (as_bits(v) >> 28) & 8
+    else:
+        sign = ((v < 0) & (m != 0)).to(tl.int32) << 3
+    return m | sign
+
+
+@triton.jit
+def e2m1_grid_value(a):
+    """|y| = a (fp32 in [0, 6], not NaN) rounded half-to-even onto the E2M1 grid, as a value (stage 1)."""
+    b = as_bits(a)
+    v_norm = from_bits((b + (0x1FFFFF + ((b >> 22) & 1))) & -4194304)
+    v_sub = (a + 4194304.0) - 4194304.0
+    return tl.where(a < 1.0, v_sub, v_norm)
+
+
+@triton.jit
+def pack_nibbles_tile(codes, R: tl.constexpr):
+    """[R, 32] codes (int32, low 4 bits) -> [R, 16] bytes (uint8): element 2i low nibble, 2i+1 high."""
+    lo, hi = tl.split(tl.reshape(codes, (R, 16, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def fp4_encode_tile(x, e, POLICY: tl.constexpr):
+    """SPEC §3/§2 codes of one block-of-32 tile x [R, 32] (canonical-NaN fp32) with exponents e [R]
+    (int32; 255 = NaN scale: `sign|7` under hardware, 7 otherwise). int32 codes [R, 32]."""
+    ee = e[:, None]
+    codes = e2m1_encode(x * pow2_inv(ee), POLICY)
+    if POLICY == 2:
+        fill = ((as_bits(x) >> 28) & 8) | 7
+    else:
+        fill = tl.full(codes.shape, 7, tl.int32)
+    return tl.where(ee == 255, fill, codes)
+
+
+@triton.jit
+def fp4_quant_tile(x, RULE: tl.constexpr, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr):
+    """reference fp4_quantize of one block-of-32 tile: x [R, 32] fp32 -> (packed uint8 [R, 16],
+    exponent int32 [R]). RULE 0 = recip, 1 = pack. NaN is canonicalised first (reference `_blocks`)."""
+    x = canon_nan(x)
+    amax = amax_tile(x, NATIVE)
+    if RULE == 0:
+        e = ue8m0_recip(amax)
+    else:
+        e = ue8m0_pack(amax)
+    return pack_nibbles_tile(fp4_encode_tile(x, e, POLICY), R), e
+
+
+# ---------------------------------------------------------------------------------------------------
+# §7.2 stage 1 (fake quant): values, not codes
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def fake_quant_values(y, s):
+    """y (already x / s) clamped to [-6, 6], |y| rounded half-to-even onto the E2M1 grid with the sign of
+    y (a zero y counts as positive, so a negative y rounding to 0 gives -0), NaN kept, times s."""
+    y = tl.where(y > 6.0, 6.0, y)
+    y = tl.where(y < -6.0, -6.0, y)
+    r = e2m1_grid_value(tl.abs(y))
+    q = tl.where(y < 0, negate(r), r)
+    q = tl.where(y != y, y, q)
+    return q * s
+
+
+@triton.jit
+def fake_quant_ue8m0_tile(x, NATIVE: tl.constexpr):
+    """Stage 1 with UE8M0 scales (rule recip) on a block-of-32 tile x [R, 32] (NaN-canonical fp32).
+    Returns the unrounded fp32 values (callers round to the output dtype). x / 2^k is x * 2^-k (exact)."""
+    e = ue8m0_recip(amax_tile(x, NATIVE))[:, None]
+    return fake_quant_values(x * pow2_inv(e), pow2(e))
+
+
+@triton.jit
+def e4m3_rne_value(a):
+    """a (fp32, in [2^-9, 448]) rounded half-to-even onto the e4m3fn grid, as fp32."""
+    return fp8_round_value(a, 7, 448.0)
+
+
+@triton.jit
+def fake_quant_e4m3_tile(x, R: tl.constexpr, NATIVE: tl.constexpr):
+    """Stage 1 with e4m3 scales on blocks of 16 (two per [R, 32] tile):
+    s = e4m3_rne(clamp(fl(amax * fl(1/6)), 2^-9, 448)); values divided by s (true division)."""
+    xb = tl.reshape(x, (R, 2, 16))
+    a = tl.abs(xb)
+    if NATIVE:
+        amax = tl.maximum(tl.max(a, axis=2), 0.0)              # [R, 2]
+    else:
+        amax = tl.max(tl.where(a != a, 0.0, a), axis=2)
+    f = amax * INV6
+    f = tl.where(f < E4M3_TWO_M9, E4M3_TWO_M9, f)
+    f = tl.where(f > 448.0, 448.0, f)
+    s = tl.broadcast_to(e4m3_rne_value(f)[:, :, None], (R, 2, 16))
+    return tl.reshape(fake_quant_values(tl.math.div_rn(xb, s), s), (R, 32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# FP8 E4M3 (SPEC §4)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def fp8_round_value(a, BIAS: tl.constexpr, FMAX: tl.constexpr):
+    """a >= 0 fp32 (<= FMAX, not NaN) rounded half-to-even onto the E4M3 grid of the flavour, as fp32
+    (reference fp8_encode's r = n * q)."""
+    EMIN: tl.constexpr = 1 - BIAS
+    e = tl.maximum(((as_bits(a) >> 23) & 0xFF) - 127, EMIN)
+    q = pow2(e - 3 + 127)
+    qi = pow2(127 + 3 - e)                                  # exact 1/q (e - 3 >= -10)
+    n = (a * qi + 8388608.0) - 8388608.0                    # rint of a value in [0, 16): exact RNE
+    r = n * q
+    return tl.where(r > FMAX, FMAX, r)
+
+
+@triton.jit
+def fp8_encode(x, BIAS: tl.constexpr, FMAX: tl.constexpr, FNUZ: tl.constexpr, CANON: tl.constexpr):
+    """SPEC §4 / reference fp8_encode: fp32 -> E4M3 code (int32 0..255). Round half to even, finite
+    values and ±Inf beyond max saturate, NaN -> 0x7F|sign (e4m3fn) or 0x80 (e4m3fnuz); -0 and negatives
+    rounding to 0 -> 0x80 (e4m3fn) / 0x00 (e4m3fnuz). CANON: a NaN counts as the canonical (positive)
+    NaN, i.e. the code of encode(canon_nan(x)).
+
+    Normal range: the mantissa is rounded to 3 bits on the integer bits (adding 2^19 - 1 plus the kept
+    bit; a carry moves into the exponent exactly) and rebiased. Below the smallest normal 2^EMIN the code
+    is rint(a / 2^(EMIN-3)), read off the bits of a + 2^(EMIN-3+23) (fp32 addition rounds half to even
+    at exactly that quantum)."""
+    EMIN: tl.constexpr = 1 - BIAS
+    MAGIC: tl.constexpr = 2.0 ** (EMIN - 3 + 23)
+    MAGIC_BITS: tl.constexpr = (EMIN - 3 + 23 + 127) << 23
+    b = as_bits(x)
+    a = tl.minimum(tl.abs(x), FMAX)                         # NaN: handled at the end
+    ab = as_bits(a)
+    code_norm = ((ab + (0x7FFFF + ((ab >> 20) & 1))) >> 20) - ((127 - BIAS) << 3)
+    code_sub = as_bits(a + MAGIC) - MAGIC_BITS
+    code = tl.where(a < 2.0 ** EMIN, code_sub, code_norm)
+    if FNUZ:
+        code = tl.where(b < 0, tl.where(code != 0, code | 0x80, code), code)
+        code = tl.where(x != x, 0x80, code)
+    else:
+        code = code | ((b >> 24) & 0x80)
+        if CANON:
+            code = tl.where(x != x, 0x7F, code)
+        else:
+            code = tl.where(x != x, 0x7F | ((b >> 24) & 0x80), code)
+    return code
+
+
+@triton.jit
+def fp8_encode_scaled(x, inv, BIAS: tl.constexpr, FMAX: tl.constexpr, FNUZ: tl.constexpr, HW: tl.constexpr):
+    """Reference fp8_quantize's codes: encode(canon_nan(x * inv)), int32. HW (NVIDIA sm_89+, e4m3fn):
+    the hardware cvt.rn.satfinite.e4m3x2.f32 (round half even, ±Inf and overflow saturate to ±448, NaN
+    -> 0x7F, sign of zero kept), which is the same map; otherwise the software encoder."""
+    y = x * inv
+    if HW:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        return fp8_encode(y, BIAS, FMAX, FNUZ, True)

@@ -1,0 +1,328 @@
+"""The `triton` backend's writers against the reference on a GPU, byte for byte (skipped without CUDA).
+
+Every case runs the public op twice on the same CUDA inputs, with backend="reference" and backend="triton",
+on poisoned outputs (testing.POISON), and compares every byte of every tensor argument and return value, so
+an unwritten byte or a stray write is a mismatch. Each case runs in two Triton code paths (quant.py):
+  - "triton": the default on this GPU (NATIVE bf16 conversions; HW_FP8 = cvt.rn.satfinite on sm_89+);
+  - "triton-soft": DSAQUANT_TRITON_NATIVE=0 / DSAQUANT_TRITON_HW_FP8=0 (the interpreter's software paths).
+Counts of compared and mismatching bytes are printed per op at the end (tests/gpu/conftest.py table, backend
+column "triton" / "triton-soft") and by test_zz_summary.
+
+Grid (issues 4/5): T in {1, 5, 64, 300, 4096}; H in {16, 32, 64, 128}; scales {1, 40, 1e-3, 1e-30}; rows of
+zeros, exact E2M1 midpoints, NaN/±Inf, tiny values and FMA-exposing RoPE pairs; every rounding policy; both
+RoPE styles; compress ratios 1, 2, 4; int32/int64 positions and slots; negative slots, slot 0, the last slot,
+random slot order, an out-of-range slot (the device error flag must be raised).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA (or ROCm) GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+import dsaquant as dq  # noqa: E402
+from dsaquant import dispatch, errors, testing as tt  # noqa: E402
+
+from .counts import record  # noqa: E402
+
+if not dispatch.available("triton")[0]:
+    pytest.skip(f"triton backend unavailable: {dispatch.available('triton')[1]}", allow_module_level=True)
+from dsaquant.triton import quant  # noqa: E402
+
+DEV = torch.device("cuda")
+T_GRID = (1, 5, 64, 300, 4096)
+H_GRID = (16, 32, 64, 128)
+SCALES = (1.0, 40.0, 1e-3, 1e-30)
+POLICIES = ("threshold", "rne", "hardware")
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+MODES = ("triton", "triton-soft")
+TOTAL = {}          # op -> [cases, bytes, mismatches] over both modes, for test_zz_summary
+
+
+def inject(x: torch.Tensor, which: int = 0) -> torch.Tensor:
+    """Rows 0..5 of x [T, (H,) 128] become special (kind (i + which) % 6): all zero; E2M1 midpoints and 6.0
+    in every block of 32 (amax 6: the scale is 1 under both UE8M0 rules); NaN, +Inf, -Inf elements; tiny
+    (subnormal-heavy) values; RoPE partners equal in both rope layouts (cancellation a*c - b*s exposes an
+    FMA); negative values that round to zero next to a large one."""
+    x = x.clone()
+    T = x.shape[0]
+    mid = torch.tensor(MIDPOINTS + (6.0,), dtype=torch.float32)
+    blk = torch.cat([mid, -mid, mid.flip(0), -mid.flip(0)])
+    for i in range(min(T, 6)):
+        kind = (i + which) % 6
+        if kind == 0:
+            x[i] = 0
+        elif kind == 1:
+            x[i] = blk.repeat(4).to(x.device, x.dtype)
+        elif kind == 2:
+            x[i, ..., 3] = float("nan")
+            x[i, ..., 40] = float("nan")
+            x[i, ..., 70] = float("inf")
+            x[i, ..., 100] = float("-inf")
+            x[i, ..., 33] = float("-inf")
+        elif kind == 3:
+            x[i] = (x[i].float() * 1e-38).to(x.dtype)
+        elif kind == 4:
+            r = x[i].clone()
+            v = r[..., 0:32].clone()
+            v[..., 1::2] = v[..., 0::2]                      # interleaved head pairs (2j, 2j+1) equal
+            r[..., 0:32] = v
+            r[..., 32:64] = v                                # neox head pairs (j, j+32) equal
+            r[..., 65:128:2] = r[..., 64:128:2]              # interleaved tail pairs equal
+            x[i] = r
+        else:
+            v = torch.full((128,), -0.01, dtype=torch.float32)
+            v[0::32] = 12.0
+            v[5::32] = -0.0
+            v[7::32] = 3.0
+            x[i] = v.to(x.device, x.dtype)
+    return x
+
+
+def clone_args(args: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8)
+
+
+class mode_ctx:
+    """Select the Triton code path: 'triton' (defaults) or 'triton-soft' (software conversions)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.saved = (quant.NATIVE_ENABLED, quant.HW_FP8_ENABLED)
+        if self.mode == "triton-soft":
+            quant.NATIVE_ENABLED = False
+            quant.HW_FP8_ENABLED = False
+
+    def __exit__(self, *exc):
+        quant.NATIVE_ENABLED, quant.HW_FP8_ENABLED = self.saved
+
+
+def run_pair(op_name: str, fn, args: dict, mode: str, label: str, returns=False, oob=False):
+    """Run reference and triton on clones of `args`; compare all tensor arguments (and return values)."""
+    try:
+        errors.check_errors()
+    except errors.DsaquantError:
+        pass
+    a_ref, a_tr = clone_args(args), clone_args(args)
+    r_ref = fn(**a_ref, backend="reference")
+    errors.flag_tensor(DEV).zero_()
+    with mode_ctx(mode):
+        r_tr = fn(**a_tr, backend="triton")
+    torch.cuda.synchronize()
+    flag = int(errors.flag_tensor(DEV).item())
+    errors.flag_tensor(DEV).zero_()
+    pairs = [(k, a_ref[k], a_tr[k]) for k in args if isinstance(args[k], torch.Tensor)]
+    if returns:
+        rr = r_ref if isinstance(r_ref, tuple) else (r_ref,)
+        rt = r_tr if isinstance(r_tr, tuple) else (r_tr,)
+        pairs += [(f"ret{i}", x, y) for i, (x, y) in enumerate(zip(rr, rt))]
+    total = bad = 0
+    where = []
+    for name, x, y in pairs:
+        xb, yb = _bytes(x), _bytes(y)
+        total += xb.numel()
+        n = int((xb != yb).sum())
+        if n:
+            bad += n
+            idx = torch.nonzero(xb != yb).reshape(-1)[:4].tolist()
+            where.append(f"{name}: {n} bytes at {idx} ref {xb[idx].tolist()} triton {yb[idx].tolist()}")
+    record(mode, op_name, total, bad)
+    t = TOTAL.setdefault(f"{mode} {op_name}", [0, 0, 0])
+    t[0] += 1
+    t[1] += total
+    t[2] += bad
+    assert bad == 0, f"{mode} {op_name} {label}: {bad} of {total} bytes differ: " + "; ".join(where)
+    assert bool(flag) == bool(oob), f"{mode} {op_name} {label}: device error flag {flag}, out-of-range slot {oob}"
+
+
+def _set_oob(slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    s = slots.clone()
+    s[-1] = capacity + 5
+    return s
+
+
+# ---- §7.1 -----------------------------------------------------------------------------------------------
+def indexer_cases():
+    cases = []
+    for i, (T, H) in enumerate(itertools.product(T_GRID, H_GRID)):
+        for mode in ("fp8", "fp4"):
+            j = 2 * i + (mode == "fp4")
+            cases.append(dict(T=T, H=H, mode=mode, scale=SCALES[j % 4], policy=POLICIES[j % 3], neox=bool(i % 2),
+                              preshuffle=bool((i // 2) % 2), scale_fmt="ue8m0" if j % 3 else None,
+                              pos=torch.int32 if j % 2 else torch.int64, slot=torch.int32 if j % 5 == 1 else torch.int64,
+                              all_q=(j % 5 == 0), flavour="e4m3fnuz" if j % 4 == 3 else "e4m3fn",
+                              dtype=torch.float16 if j % 7 == 3 else torch.bfloat16, page=16 if j % 6 == 5 else 64,
+                              oob=(j % 9 == 4)))
+    # every (policy, rope style, scale) in FP4 and every (flavour, scale_fmt, preshuffle, rope style) in FP8
+    for k, (policy, neox, scale) in enumerate(itertools.product(POLICIES, (True, False), SCALES)):
+        cases.append(dict(T=64, H=64, mode="fp4", scale=scale, policy=policy, neox=neox, preshuffle=False,
+                          scale_fmt="ue8m0", pos=torch.int64, slot=torch.int64, all_q=k % 5 == 0, flavour="e4m3fn",
+                          dtype=torch.bfloat16, page=64, oob=False))
+    for k, (fl, sf, ps, neox) in enumerate(itertools.product(("e4m3fn", "e4m3fnuz"), ("ue8m0", None), (False, True),
+                                                             (True, False))):
+        cases.append(dict(T=300, H=32, mode="fp8", scale=SCALES[k % 4], policy="hardware", neox=neox, preshuffle=ps,
+                          scale_fmt=sf, pos=torch.int32, slot=torch.int64, all_q=k % 3 == 0, flavour=fl,
+                          dtype=torch.bfloat16 if k % 2 else torch.float16, page=64, oob=False))
+    return cases
+
+
+def _cid(c):
+    return (f"T{c['T']}-H{c['H']}-{c['mode']}-s{c['scale']:g}-" +
+            (c["policy"] if c["mode"] == "fp4" else f"{c['flavour']}-{c['scale_fmt']}-p{int(c['preshuffle'])}") +
+            ("-neox" if c["neox"] else "-il") + ("-all" if c["all_q"] else "") + ("-oob" if c["oob"] else ""))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("c", indexer_cases(), ids=_cid)
+def test_indexer(c, mode):
+    if mode == "triton-soft" and c["T"] * c["H"] > 300 * 64:
+        pytest.skip("software path checked on the smaller grid")
+    f8 = torch.float8_e4m3fnuz if c["flavour"] == "e4m3fnuz" else torch.float8_e4m3fn
+    a = tt.make_indexer(T=c["T"], H=c["H"], mode=c["mode"], device=DEV, seed=c["T"] * 131 + c["H"], scale=c["scale"],
+                        rounding=c["policy"], is_neox=c["neox"], preshuffle=c["preshuffle"], scale_fmt=c["scale_fmt"],
+                        pos_dtype=c["pos"], compute_all_q_rope=c["all_q"], fp8_dtype=f8, dtype=c["dtype"],
+                        page_size=c["page"])
+    a["q"], a["k"] = inject(a["q"], c["T"]), inject(a["k"], c["T"] + 3)
+    cap = a["kv_cache"].shape[0] * c["page"]
+    s = a["slot_mapping"].clone()
+    if c["T"] >= 4:
+        s[3] = 0
+    if c["oob"]:
+        s = _set_oob(s, cap)
+    a["slot_mapping"] = s.to(c["slot"])
+    run_pair("indexer_qk_rope_quant_and_cache", dq.indexer_qk_rope_quant_and_cache, a, mode, _cid(c), oob=c["oob"])
+
+
+# ---- §7.2 -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", T_GRID)
+@pytest.mark.parametrize("ratio", (1, 2, 4))
+def test_k_store(T, ratio, mode):
+    for i, policy in enumerate(POLICIES):
+        a = tt.make_k_store(T=T, device=DEV, seed=T + ratio * 7 + i, scale=SCALES[(T + i + ratio) % 4],
+                            compress_ratio=ratio, rounding=policy, dtype=torch.float16 if i == 2 else torch.bfloat16)
+        a["k"] = inject(a["k"], i + ratio)
+        if i == 1:
+            a["positions"] = a["positions"].to(torch.int32)
+            a["slots"] = a["slots"].to(torch.int32)
+        oob = (i == 0 and ratio == 2 and T > 1)
+        if oob:
+            a["slots"] = _set_oob(a["slots"], a["cache"].shape[0] * 64)
+        run_pair("index_k_norm_rope_pack_store", dq.index_k_norm_rope_pack_store, a, mode, f"T{T} r{ratio} {policy}",
+                 oob=oob)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T,H", list(itertools.product(T_GRID, H_GRID)))
+def test_q_pack(T, H, mode):
+    if mode == "triton-soft" and T * H > 300 * 64:
+        pytest.skip("software path checked on the smaller grid")
+    i = (T + H) % 3
+    a = tt.make_q_pack(T=T, H=H, device=DEV, seed=T * H + i, scale=SCALES[(T // 2 + H // 16) % 4], rounding=POLICIES[i],
+                       dtype=torch.float16 if H == 32 else torch.bfloat16)
+    a["q"] = inject(a["q"], T + H)
+    if T % 2:
+        a["positions"] = a["positions"].to(torch.int32)
+    run_pair("index_q_rope_pack_weights", dq.index_q_rope_pack_weights, a, mode, f"T{T} H{H} {POLICIES[i]}",
+             returns=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", T_GRID)
+@pytest.mark.parametrize("variant", ((32, "ue8m0", 1), (16, "e4m3", 1), (32, "ue8m0", 4), (16, "e4m3", 2)))
+def test_rope_fake_quant(T, variant, mode):
+    block, scale, ratio = variant
+    for dtype, H in ((torch.bfloat16, 16), (torch.float16, None)):
+        a = tt.make_q_pack(T=T, H=H or 1, device=DEV, seed=T + block + ratio, scale=SCALES[(T + ratio) % 4],
+                           dtype=dtype)
+        x = inject(a["q"], T + block)
+        if H is None:
+            x = x[:, 0, :].contiguous()
+        args = dict(x=x, positions=a["positions"], freqs=a["freqs"], block=block, scale=scale, compress_ratio=ratio)
+        run_pair("rope_fake_quant_fp4", dq.rope_fake_quant_fp4, args, mode, f"T{T} {variant} {dtype}", returns=True)
+
+
+# ---- §7.3 -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", T_GRID)
+@pytest.mark.parametrize("layout", ("aiter_fp4", "dense"))
+def test_v4_k(T, layout, mode):
+    for i, policy in enumerate(POLICIES):
+        a = tt.make_v4_k(T=T, device=DEV, seed=T + i, scale=SCALES[(T + i) % 4], layout=layout, rounding=policy,
+                         hadamard=bool((T + i) % 2), dtype=(torch.bfloat16, torch.float32, torch.float16)[i])
+        a["kv"] = inject(a["kv"], T + i)
+        if i == 1:
+            a["positions"] = a["positions"].to(torch.int32)
+            cos, sin, _ = tt.rope_tables(4096, DEV, torch.float32)
+            a["cos_cache"], a["sin_cache"] = cos, sin
+        oob = (i == 2 and T > 1)
+        if oob:
+            cap = a["kv_cache"].shape[0] * (64 if layout == "aiter_fp4" else 1)
+            a["slot_mapping"] = _set_oob(a["slot_mapping"], cap)
+        run_pair("rmsnorm_rope_rotate_fp4quant_kvcache", dq.rmsnorm_rope_rotate_fp4quant_kvcache, a, mode,
+                 f"T{T} {layout} {policy}", oob=oob)
+
+
+# ---- the closing tally and a bandwidth figure (printed, not asserted) ---------------------------------------
+def test_zz_bandwidth_indexer():
+    """indexer_qk_rope_quant_and_cache at T=8192, H=64 (FP8 and FP4 modes) as a fraction of the copy bandwidth
+    (a device-to-device copy of the same number of bytes). Printed for the record; the target is >= 60 %."""
+    import triton.testing as tt_bench
+    T, H = 8192, 64
+    lines = []
+    x = torch.empty(T * H * 128 * 2, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms_copy = tt_bench.do_bench(lambda: y.copy_(x), warmup=25, rep=200)
+    copy_bw = 2 * x.numel() / (ms_copy * 1e-3)
+    for mode in ("fp8", "fp4"):
+        a = tt.make_indexer(T=T, H=H, mode=mode, device=DEV, seed=1)
+        args = (a["q"], a["q_out"], a["weights"], a["weights_out"], a["k"], a["kv_cache"], a["slot_mapping"],
+                a["norm_weight"], a["norm_bias"], a["positions"], a["cos_cache"], a["sin_cache"], a["epsilon"],
+                a["quant_block_size"], a["scale_fmt"], a["weights_scale"], a["preshuffle"], a["is_neox"],
+                a["compute_all_q_rope"], a.get("q_scale_out"), a.get("kv_cache_scale"), a["rounding"], "e4m3fn", 64)
+        fn = lambda: quant.indexer_qk_rope_quant_and_cache(*args)  # noqa: E731
+        fn()
+        try:
+            ms = tt_bench.do_bench_cudagraph(fn, rep=200)
+        except Exception:
+            ms = tt_bench.do_bench(fn, warmup=25, rep=200)
+        moved = sum(t.numel() * t.element_size() for t in (a["q"], a["q_out"], a["weights"], a["weights_out"], a["k"]))
+        moved += T * (132 if mode == "fp8" else 68) + (a["q_scale_out"].numel() if mode == "fp4" else 0)
+        bw = moved / (ms * 1e-3)
+        lines.append(f"indexer {mode} T={T} H={H}: {ms * 1e3:8.1f} us, {bw / 1e9:7.0f} GB/s = {100 * bw / copy_bw:5.1f} % "
+                     f"of copy ({copy_bw / 1e9:.0f} GB/s)")
+    print("\n" + "\n".join(lines))
+    COUNTS_NOTE.extend(lines)
+
+
+COUNTS_NOTE: list = []
+
+
+def test_zz_summary():
+    """Print the comparison counts of this file (also in the conftest table) and the bandwidth lines."""
+    if not TOTAL:
+        pytest.skip("no cases ran")
+    lines = [f"{'path':<12} {'op':<40} {'cases':>6} {'bytes compared':>15} {'mismatches':>11}"]
+    for key, (n, tot, bad) in sorted(TOTAL.items()):
+        mode, op = key.split(" ", 1)
+        lines.append(f"{mode:<12} {op:<40} {n:>6} {tot:>15} {bad:>11}")
+    print("\n" + "\n".join(lines + COUNTS_NOTE))
+    path = os.environ.get("DSAQUANT_TRITON_COUNTS_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write("\n".join(lines + COUNTS_NOTE) + "\n")
+    assert all(bad == 0 for _, _, bad in TOTAL.values())

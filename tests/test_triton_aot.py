@@ -1,0 +1,208 @@
+"""Every Triton writer kernel (dsaquant/triton/quant.py) compiles ahead of time, without a GPU, for sm_90,
+sm_100, gfx942 and gfx950, in the variants the ops launch (each constexpr setting below), through the same
+specialisation path a real launch takes (argument alignment and divisibility from the actual tensors).
+
+The compiled code is also checked for the SPEC §0.1 / §8 hazards: no fp32 FMA, no flush-to-zero and no
+approximate division, square root, reciprocal, exp2 or log2 in the PTX; no fast-math or `contract` flags
+on the LLVM IR's float operations (either target).
+
+Needs the kernels as JIT functions: skipped (with the reason) in a process running TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from dsaquant import testing as tt  # noqa: E402
+from dsaquant.reference.layouts import aiter_q_scale_pad  # noqa: E402
+
+TARGETS = {
+    "sm_90": ("cuda", 90, 32),
+    "sm_100": ("cuda", 100, 32),
+    "gfx942": ("hip", "gfx942", 64),
+    "gfx950": ("hip", "gfx950", 64),
+}
+
+
+def _quant():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted functions, nothing to compile")
+    from dsaquant.triton import quant
+    return quant
+
+
+# ---- the ops' positional arguments (the reference signature), built on CPU tensors ----------------------
+def _indexer(mode, policy="hardware", flavour="e4m3fn", scale_fmt="ue8m0", preshuffle=False, neox=True,
+             all_q=False, dtype=torch.bfloat16, cs_dtype=None, w_dtype=None, wo_dtype=None):
+    f8 = torch.float8_e4m3fnuz if flavour == "e4m3fnuz" else torch.float8_e4m3fn
+    a = tt.make_indexer(T=8, H=16, mode=mode, dtype=dtype, preshuffle=preshuffle, is_neox=neox, scale_fmt=scale_fmt,
+                        rounding=policy, compute_all_q_rope=all_q, fp8_dtype=f8, max_pos=64)
+    if cs_dtype is not None:
+        a["cos_cache"], a["sin_cache"], _ = tt.rope_tables(64, "cpu", cs_dtype)
+    if w_dtype is not None:
+        a["weights"] = a["weights"].to(w_dtype)
+    if wo_dtype is not None:
+        a["weights_out"] = torch.empty(a["weights_out"].shape, dtype=wo_dtype)
+    P = 64
+    fp4 = mode == "fp4"
+    return (a["q"], a["q_out"], a["weights"], a["weights_out"], a["k"], a["kv_cache"], a["slot_mapping"],
+            a["norm_weight"], a["norm_bias"], a["positions"], a["cos_cache"], a["sin_cache"], a["epsilon"],
+            a["quant_block_size"], a["scale_fmt"] if not fp4 else "ue8m0", a["weights_scale"], preshuffle, neox,
+            all_q, a.get("q_scale_out"), a.get("kv_cache_scale"), policy, "e4m3fn" if fp4 else flavour, P)
+
+
+def _k_store(policy, ratio=1, dtype=torch.bfloat16, nw_dtype=None):
+    a = tt.make_k_store(T=8, compress_ratio=ratio, rounding=policy, dtype=dtype, max_pos=64)
+    nw = a["norm_weight"] if nw_dtype is None else a["norm_weight"].to(nw_dtype)
+    return (a["k"], nw, a["eps"], a["positions"], a["freqs"], a["slots"], a["cache"], ratio, policy, 64)
+
+
+def _q_pack(policy, dtype=torch.bfloat16, w_dtype=torch.float32):
+    a = tt.make_q_pack(T=4, H=16, rounding=policy, dtype=dtype, max_pos=64)
+    T, H = 4, 16
+    return (a["q"], a["positions"], a["freqs"], a["head_weights"].to(w_dtype), a["weight_scale"], policy,
+            torch.empty(T, H, 64, dtype=torch.uint8), torch.empty(T, H, dtype=torch.int32),
+            torch.empty(T, H, dtype=torch.float32))
+
+
+def _fake_quant(block, scale, ratio=1, dtype=torch.bfloat16, three_d=False):
+    a = tt.make_q_pack(T=4, H=16, dtype=dtype, max_pos=64)
+    x = a["q"] if three_d else a["q"][:, 0, :].contiguous()
+    return (x, a["positions"], a["freqs"], block, scale, ratio, torch.empty_like(x))
+
+
+def _v4_k(policy, hadamard=True, layout="aiter_fp4", dtype=torch.bfloat16, cs_dtype=None):
+    a = tt.make_v4_k(T=8, hadamard=hadamard, rounding=policy, layout=layout, dtype=dtype, max_pos=64)
+    if cs_dtype is not None:
+        a["cos_cache"], a["sin_cache"], _ = tt.rope_tables(64, "cpu", cs_dtype)
+    return (a["kv"], a["norm_weight"], a["epsilon"], a["positions"], a["cos_cache"], a["sin_cache"],
+            a["slot_mapping"], a["kv_cache"], a["kv_cache_scale"], hadamard, policy, layout,
+            64 if layout == "aiter_fp4" else 1)
+
+
+VARIANTS = {
+    "indexer-fp8-e4m3fn-ue8m0-neox": lambda: ("indexer_qk_rope_quant_and_cache", _indexer("fp8")),
+    "indexer-fp8-e4m3fn-ue8m0-neox-soft": lambda: ("indexer_qk_rope_quant_and_cache", _indexer("fp8")),
+    "indexer-fp8-e4m3fnuz-fp32scale-il-preshuffle-fp16": lambda: (
+        "indexer_qk_rope_quant_and_cache",
+        _indexer("fp8", flavour="e4m3fnuz", scale_fmt=None, preshuffle=True, neox=False, all_q=True,
+                 dtype=torch.float16, cs_dtype=torch.float32)),
+    "indexer-fp4-hardware-neox": lambda: ("indexer_qk_rope_quant_and_cache", _indexer("fp4", "hardware")),
+    "indexer-fp4-rne-il-fp16": lambda: ("indexer_qk_rope_quant_and_cache",
+                                        _indexer("fp4", "rne", neox=False, dtype=torch.float16,
+                                                 w_dtype=torch.float32, wo_dtype=torch.float16)),
+    "indexer-fp4-threshold": lambda: ("indexer_qk_rope_quant_and_cache", _indexer("fp4", "threshold", all_q=True)),
+    "k_store-rne-r1": lambda: ("index_k_norm_rope_pack_store", _k_store("rne")),
+    "k_store-threshold-r4-fp16": lambda: ("index_k_norm_rope_pack_store",
+                                          _k_store("threshold", 4, torch.float16, torch.float32)),
+    "k_store-hardware-r2": lambda: ("index_k_norm_rope_pack_store", _k_store("hardware", 2)),
+    "q_pack-rne": lambda: ("index_q_rope_pack_weights", _q_pack("rne")),
+    "q_pack-threshold-fp16": lambda: ("index_q_rope_pack_weights", _q_pack("threshold", torch.float16,
+                                                                           torch.bfloat16)),
+    "q_pack-hardware": lambda: ("index_q_rope_pack_weights", _q_pack("hardware")),
+    "fake_quant-ue8m0-2d": lambda: ("rope_fake_quant_fp4", _fake_quant(32, "ue8m0")),
+    "fake_quant-e4m3-3d-fp16-r4": lambda: ("rope_fake_quant_fp4", _fake_quant(16, "e4m3", 4, torch.float16, True)),
+    "v4_k-hardware-hadamard-aiter": lambda: ("rmsnorm_rope_rotate_fp4quant_kvcache", _v4_k("hardware")),
+    "v4_k-hardware-hadamard-aiter-soft": lambda: ("rmsnorm_rope_rotate_fp4quant_kvcache", _v4_k("hardware")),
+    "v4_k-rne-dense-fp32": lambda: ("rmsnorm_rope_rotate_fp4quant_kvcache",
+                                    _v4_k("rne", False, "dense", torch.float32, torch.float32)),
+    "v4_k-threshold-fp16": lambda: ("rmsnorm_rope_rotate_fp4quant_kvcache", _v4_k("threshold", True, "aiter_fp4",
+                                                                                  torch.float16, torch.float16)),
+}
+
+
+def _has_target(kind: str) -> str:
+    """'' if this triton build has the backend for `kind` (cuda / hip), else why not."""
+    try:
+        from triton.backends import backends
+    except Exception as e:  # pragma: no cover
+        return f"triton.backends unavailable: {e}"
+    name = "nvidia" if kind == "cuda" else "amd"
+    return "" if name in backends else f"this triton build has no {name} backend (has {sorted(backends)})"
+
+
+def target_modes(target):
+    """The code paths a launch on that GPU takes (quant._modes on a real device): NATIVE everywhere,
+    HW_FP8 on NVIDIA sm_89+ (for e4m3fn launches; quant._modes drops it for other flavours)."""
+    return dict(NATIVE=True, HW_FP8=target.backend == "cuda" and int(target.arch) >= 89)
+
+
+def compile_variant(kernel, args, consts, num_warps, target):
+    """Compile one launch's kernel for `target` through the runtime's own specialisation (binder) path."""
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(consts, num_warps=num_warps, enable_fp_fusion=False, debug=False)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    opt_kwargs = {k: v for k, v in kwargs.items() if k not in consts}
+    options, signature, constexprs, attrs = kernel._pack_args(backend, opt_kwargs, bound_args, specialization, options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+_FLOAT_OP = re.compile(r"= (fadd|fsub|fmul|fdiv|fneg|frem|fcmp|call float @llvm\.\w+\.f32)\b(.*)")
+PTX_FORBIDDEN = [
+    (re.compile(r"\bfma\.[a-z.]*f32\b"), "fp32 FMA"),
+    (re.compile(r"\bmad\.[a-z.]*f32\b"), "fp32 mad"),
+    (re.compile(r"\.ftz\b"), "flush-to-zero"),
+    (re.compile(r"\b(div\.approx|div\.full|sqrt\.approx|rsqrt|rcp\.approx|ex2|lg2)\b"), "approximate math"),
+    (re.compile(r"\b(add|sub|mul)\.f32\b"), "f32 add/sub/mul without .rn (ptxas may contract it into an FMA)"),
+]
+
+
+def check_code(compiled, kind):
+    problems = []
+    llir = compiled.asm["llir"]
+    for line in llir.splitlines():
+        m = _FLOAT_OP.search(line)
+        if m and re.search(r"\b(fast|contract|afn|reassoc|arcp|nnan|ninf)\b", m.group(2) + " " + m.group(0)):
+            problems.append(f"LLVM float op with a fast-math flag: {line.strip()}")
+        if "llvm.fma.f32" in line or "llvm.fmuladd.f32" in line:
+            problems.append(f"LLVM fma: {line.strip()}")
+    if kind == "cuda":
+        for line in compiled.asm["ptx"].splitlines():
+            s = line.split("//")[0]
+            for rx, what in PTX_FORBIDDEN:
+                if rx.search(s):
+                    problems.append(f"PTX {what}: {s.strip()}")
+    return problems[:10]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_writer_compiles(variant, target):
+    quant = _quant()
+    kind = TARGETS[target][0]
+    why = _has_target(kind)
+    if why:
+        pytest.skip(why)
+    op, args = VARIANTS[variant]()
+    tgt = GPUTarget(*TARGETS[target])
+    modes = target_modes(tgt)
+    if variant.endswith("-soft"):          # the DSAQUANT_TRITON_NATIVE=0 fallback must compile too
+        modes = dict(NATIVE=False, HW_FP8=False)
+    kernel, grid, kargs, consts, warps = quant.PREPARE[op](*args, modes=modes)
+    assert math.prod(grid) >= 1
+    compiled = compile_variant(kernel, kargs, consts, warps, tgt)
+    binary = "cubin" if kind == "cuda" else "hsaco"
+    assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
+    problems = check_code(compiled, kind)
+    assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
+    # spills would hurt the bandwidth target: report them (not a failure)
+    n_spills = getattr(compiled, "n_spills", None)
+    if n_spills:
+        print(f"{variant} {target}: {n_spills} spilled registers")
+
+
+def test_every_op_has_an_aot_variant():
+    quant = _quant()
+    ops = {VARIANTS[v]()[0] for v in VARIANTS}
+    assert ops == set(quant.OPS) == set(quant.PREPARE)
