@@ -138,9 +138,13 @@ DSQ_HD float rint_f(float a) {
 
 // SPEC §0.3: IEEE maxNum (C fmaxf): a NaN operand is ignored; two NaNs give NaN.
 DSQ_HD float fmax_nn(float a, float b) {
+#if defined(DSQ_CUDA_DEVICE)
+  return fmaxf(a, b);   // one FMNMX: IEEE maxNum, a NaN operand is ignored (SPEC §8)
+#else
   if (is_nan(a)) return b;
   if (is_nan(b)) return a;
   return a > b ? a : b;
+#endif
 }
 
 // torch.clamp_min / clamp_max semantics: a NaN `a` stays NaN (the reference's max(amax, floor)).
