@@ -6,3 +6,6 @@ for _name in ("indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store",
               "rope_fake_quant_fp4", "rmsnorm_rope_rotate_fp4quant_kvcache"):
     register("reference", _name, getattr(ops, _name))
 register("reference", "paged_mqa_logits", scorer.paged_mqa_logits)
+from ..reference import compress  # noqa: E402  SPEC §7.6-§7.7
+register("reference", "compress_kv", compress.compress_kv)
+register("reference", "rope_rotate_quant", compress.rope_rotate_quant)

@@ -90,7 +90,7 @@ def canonical_sum(x: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(m, device=x.device)
     s = m // 2
     while s >= 1:
-        p = p + p[..., idx ^ s]
+        p = p + torch.index_select(p, -1, idx ^ s)   # (index_select: far faster than p[..., idx] on CPU)
         s //= 2
     return p[..., 0]
 
