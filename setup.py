@@ -1,5 +1,8 @@
 """Build of the compiled backends; everything else about the package is in pyproject.toml.
 
+dsaquant._hip is built from the same sources, hipified, when a ROCm toolchain is found (tools/build_hip.py):
+  DSAQUANT_BUILD_HIP=0 skips it, =1 requires it, unset: built if ROCm is there; DSAQUANT_HIP_ARCHS
+  (default "gfx942;gfx950"). It needs torch installed (hipify), so build wheels with --no-isolation.
 dsaquant._cuda is built with nvcc when one is found (CUDA_HOME/bin, PATH, /usr/local/cuda/bin):
   DSAQUANT_BUILD_CUDA=0 skips it, =1 requires it (the build fails without nvcc), unset: built if possible
   (a failed build then only warns, and the cuda backend is unavailable).
@@ -18,6 +21,34 @@ from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
 from build_native import CUDA_SOURCES, build_cuda, find_nvcc  # noqa: E402
+
+
+def _build_hip(ext_path: Path, skipped: set, name: str) -> None:
+    """The ROCm build of dsaquant._hip (tools/build_hip.py), as configured by DSAQUANT_BUILD_HIP."""
+    mode = os.environ.get("DSAQUANT_BUILD_HIP", "auto")
+    if mode == "0":
+        skipped.add(name)
+        return
+    try:
+        import build_hip
+    except Exception as e:  # its hipify step needs torch
+        if mode == "1":
+            raise
+        print(f"dsaquant: not building {name} ({e})")
+        skipped.add(name)
+        return
+    rocm = build_hip.find_rocm()
+    if mode == "auto" and (rocm is None or build_hip.find_hip_cxx(rocm) is None):
+        print(f"dsaquant: not building {name} (no ROCm toolchain found)")
+        skipped.add(name)
+        return
+    try:
+        build_hip.build_module(ext_path)
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+        if mode == "1":
+            raise
+        skipped.add(name)
+        print(f"dsaquant: WARNING: building {name} failed ({e}); the hip backend will be unavailable", file=sys.stderr)
 
 
 class BuildExt(build_ext):
@@ -42,6 +73,8 @@ class BuildExt(build_ext):
         return super().get_output_mapping()
 
     def build_extension(self, ext):
+        if ext.name == "dsaquant._hip":
+            return _build_hip(Path(self.get_ext_fullpath(ext.name)), self.skipped, ext.name)
         if ext.name != "dsaquant._cuda":
             return super().build_extension(ext)
         mode = os.environ.get("DSAQUANT_BUILD_CUDA", "auto")
@@ -62,4 +95,5 @@ class BuildExt(build_ext):
                   file=sys.stderr)
 
 
-setup(ext_modules=[Extension("dsaquant._cuda", sources=CUDA_SOURCES)], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[Extension("dsaquant._cuda", sources=CUDA_SOURCES), Extension("dsaquant._hip", sources=["src/bindings.cpp"])],
+      cmdclass={"build_ext": BuildExt})

@@ -10,8 +10,6 @@
 // Every lane of the 16-lane group must call these helpers together (they shuffle).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cstdint>
 #include <type_traits>
 

@@ -72,14 +72,25 @@ def page_multiple_of_16(name: str, P: int, why: str) -> None:
 
 
 def fp8_flavour_of(q_out: torch.Tensor, fp8_flavour: str | None) -> str:
-    """The FP8 flavour: from q_out's dtype (float8_e4m3fn / float8_e4m3fnuz), or `fp8_flavour` for uint8."""
+    """The FP8 flavour: from q_out's dtype (float8_e4m3fn / float8_e4m3fnuz), or `fp8_flavour` for uint8,
+    or the device's default (default_fp8_flavour)."""
     from_dtype = FP8_DTYPES.get(q_out.dtype)
     if fp8_flavour is not None:
         choice("fp8_flavour", fp8_flavour, ("e4m3fn", "e4m3fnuz"))
         if from_dtype and from_dtype != fp8_flavour:
             raise ValueError(f"fp8_flavour: {fp8_flavour!r} contradicts q_out's dtype {q_out.dtype}")
         return fp8_flavour
-    return from_dtype or "e4m3fn"
+    return from_dtype or default_fp8_flavour(q_out.device)
+
+
+def default_fp8_flavour(device: torch.device) -> str:
+    """The FP8 flavour of a uint8 output when none is asked for: e4m3fnuz on MI300 (gfx940/941/942, whose
+    FP8 units use it), e4m3fn everywhere else (NVIDIA, gfx950, the CPU)."""
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+        if arch.startswith(("gfx940", "gfx941", "gfx942")):
+            return "e4m3fnuz"
+    return "e4m3fn"
 
 
 def same_device(**tensors) -> torch.device:

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 DEV = torch.device("cuda")
-BACKENDS = [b for b in ("cuda", "triton") if dispatch.available(b)[0]]
+BACKENDS = [b for b in ("cuda", "hip", "triton") if dispatch.available(b)[0]]
 
 CASES = {
     "indexer_fp8": (dq.indexer_qk_rope_quant_and_cache,
