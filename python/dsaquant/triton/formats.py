@@ -7,12 +7,16 @@ bits on a GPU and under TRITON_INTERPRET=1. Rules followed throughout (SPEC §0,
 - `tl.math.div_rn` for division (Triton's `/` is approximate on NVIDIA) and `sqrt_cr` below for the
   square root; division by a power of two is done as a multiplication by its exact inverse
   (same correctly rounded result), never log2/exp2;
-- bf16 values are handled as raw 16-bit integers (loaded through int16 views, rounded by integer bit
-  arithmetic), because the interpreter truncates fp32 -> bf16 and mishandles bf16 subnormals;
-- NaN handling follows the reference: every rounding to bf16/fp16, every quantizer's entry and the FP8
-  scale product make NaN the canonical +0x7FC00000 (reference `canon_nan`), and stored bf16/fp16/fp32
-  outputs hold the canonical NaN of their dtype (reference `cast`), so no platform-dependent NaN bits
-  reach a byte.
+- without NATIVE (the interpreter), bf16 values are raw 16-bit integers (loaded through int16 views,
+  rounded by integer bit arithmetic): the interpreter truncates fp32 -> bf16 and mishandles bf16
+  subnormals. bf16 outputs are always written as integer bits (canonical NaN);
+- NaN: the reference makes every NaN inside an op the canonical +0x7FC00000 (`canon_nan`) and stores
+  the canonical NaN of each output dtype (`cast`). Here a NaN may carry any bits between steps (a GPU's
+  conversions and arithmetic make their own), but every step where NaN bits could reach a byte treats
+  any NaN as the canonical one: amax ignores NaN, the E2M1 and E4M3 encoders give the canonical NaN's
+  code, and stores write the canonical NaN of the output dtype. So no platform-dependent bits escape.
+- `NATIVE` (constexpr, set on GPUs) selects the hardware bf16 conversions and the GPU's NaN-ignoring max;
+  without it (the interpreter) the same results come from integer bit arithmetic and explicit NaN masks.
 
 Row data of the 128-wide head dim is carried as four [R, 32] fp32 tiles t0..t3 (dims 32k..32k+31). That
 shape makes the FP4 blocks of 32 whole tiles, the neox head RoPE elementwise between t0 and t1, and the
@@ -71,11 +75,6 @@ def as_bits(x):
 def from_bits(b):
     """int32 bit pattern -> fp32."""
     return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def is_nan(x):
-    return x != x
 
 
 @triton.jit
@@ -350,16 +349,17 @@ def hadamard4(t0, t1, t2, t3, R: tl.constexpr):
 # E2M1 (SPEC §1, §2)
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def e2m1_magnitude_index(a, POLICY: tl.constexpr):
-    """Index 0..7 of |v| = a (fp32 >= 0 or NaN) on the E2M1 grid [0, .5, 1, 1.5, 2, 3, 4, 6]; int32.
-    POLICY 0 (threshold): ties toward zero; 1 (rne) / 2 (hardware): ties to even. NaN and a > 5 give 7.
+def e2m1_index_core(a, POLICY: tl.constexpr):
+    """Index 0..7 of |v| = a (fp32 >= 0, not NaN: a NaN gives an unspecified value) on the E2M1 grid
+    [0, .5, 1, 1.5, 2, 3, 4, 6]; int32. POLICY 0 (threshold): ties toward zero; 1 (rne) / 2 (hardware):
+    ties to even. a > 5 (incl. Inf) gives 7.
 
     a >= 1 is E2M1's normal range (1 mantissa bit): the mantissa is rounded on the fp32 bits (adding
     2^21 - 1, plus the kept bit for ties-to-even; a carry moves into the exponent exactly), and the index
     is the rounded bits >> 22 minus 252 (1.0 = 0x3F800000 -> 2). Below 1 the quantum is 0.5: rne adds
     2^22 in fp32 (round half even to a multiple of 0.5, exact) and reads the multiple off the bits;
     threshold compares against 0.25 and 0.75. Values are clamped to 6 first (6 -> 7)."""
-    c = tl.minimum(a, 6.0)                                   # NaN: handled at the end
+    c = tl.minimum(a, 6.0)
     b = as_bits(c)
     if POLICY == 0:
         m_norm = ((b + 0x1FFFFF) >> 22) - 252
@@ -367,8 +367,13 @@ def e2m1_magnitude_index(a, POLICY: tl.constexpr):
     else:
         m_norm = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
         m_sub = as_bits(c + 4194304.0) - 0x4A800000           # bits(2^22) = 0x4A800000
-    m = tl.where(c < 1.0, m_sub, m_norm)
-    return tl.where(a != a, 7, m)
+    return tl.where(c < 1.0, m_sub, m_norm)
+
+
+@triton.jit
+def e2m1_magnitude_index(a, POLICY: tl.constexpr):
+    """e2m1_index_core with NaN -> 7."""
+    return tl.where(a != a, 7, e2m1_index_core(a, POLICY))
 
 
 @triton.jit
@@ -401,22 +406,29 @@ def pack_nibbles_tile(codes, R: tl.constexpr):
 
 @triton.jit
 def fp4_encode_tile(x, e, POLICY: tl.constexpr):
-    """SPEC §3/§2 codes of one block-of-32 tile x [R, 32] (canonical-NaN fp32) with exponents e [R]
-    (int32; 255 = NaN scale: `sign|7` under hardware, 7 otherwise). int32 codes [R, 32]."""
+    """SPEC §3/§2 codes of one block-of-32 tile x [R, 32] with exponents e [R] (int32), int32 codes [R, 32].
+    As the reference (fp4_quantize, whose input NaN is canonical): a NaN element gives 0x7 under every
+    policy; e = 255 (NaN scale) gives `sign(x)|7` under hardware and 0x7 otherwise.
+
+    v = x / 2^(e-127) is x * 2^(127-e), which has the sign of x, so the hardware policy takes the sign bit
+    from x (for e = 255 the product is x * 0, or NaN for x = ±Inf, but the sign of x is what is stored).
+    Under rne/threshold, v < 0 is false for e = 255 (v = ±0 or NaN), so those codes need no sign fix."""
     ee = e[:, None]
-    codes = e2m1_encode(x * pow2_inv(ee), POLICY)
+    v = x * pow2_inv(ee)
+    nan = x != x
+    m = tl.where(nan | (ee == 255), 7, e2m1_index_core(tl.abs(v), POLICY))
     if POLICY == 2:
-        fill = ((as_bits(x) >> 28) & 8) | 7
+        sign = tl.where(nan, 0, (as_bits(x) >> 28) & 8)
     else:
-        fill = tl.full(codes.shape, 7, tl.int32)
-    return tl.where(ee == 255, fill, codes)
+        sign = ((v < 0) & (m != 0)).to(tl.int32) << 3
+    return m | sign
 
 
 @triton.jit
 def fp4_quant_tile(x, RULE: tl.constexpr, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr):
     """reference fp4_quantize of one block-of-32 tile: x [R, 32] fp32 -> (packed uint8 [R, 16],
-    exponent int32 [R]). RULE 0 = recip, 1 = pack. NaN is canonicalised first (reference `_blocks`)."""
-    x = canon_nan(x)
+    exponent int32 [R]). RULE 0 = recip, 1 = pack. Any NaN in x (whatever its bits) is treated as the
+    reference's canonical NaN: ignored by amax, code 0x7."""
     amax = amax_tile(x, NATIVE)
     if RULE == 0:
         e = ue8m0_recip(amax)
@@ -442,7 +454,7 @@ def fake_quant_values(y, s):
 
 @triton.jit
 def fake_quant_ue8m0_tile(x, NATIVE: tl.constexpr):
-    """Stage 1 with UE8M0 scales (rule recip) on a block-of-32 tile x [R, 32] (NaN-canonical fp32).
+    """Stage 1 with UE8M0 scales (rule recip) on a block-of-32 tile x [R, 32] (a NaN stays a NaN).
     Returns the unrounded fp32 values (callers round to the output dtype). x / 2^k is x * 2^-k (exact)."""
     e = ue8m0_recip(amax_tile(x, NATIVE))[:, None]
     return fake_quant_values(x * pow2_inv(e), pow2(e))

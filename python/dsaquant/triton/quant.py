@@ -5,18 +5,27 @@ python/dsaquant/reference/ops.py (dsaquant.ops validates the arguments and calls
 writes the same bytes. The format math lives in formats.py.
 
 Kernel design (see also `LAUNCH` below):
-- every program works on a [BLOCK, 128] tile of rows (q rows are (token, head) pairs flattened, k rows are
-  tokens), carried as four [BLOCK, 32] fp32 tiles; loads of the 128-wide rows are contiguous per tile;
+- every program works on a [BLOCK, 128] tile of rows (q rows are (token, head) pairs flattened, so any H
+  works and a program may span tokens; k rows are tokens), carried as four [BLOCK, 32] fp32 tiles; each
+  tile load is 16 bytes per thread for bf16/fp16 rows; cos/sin rows are gathered per row (L1 hits: the
+  heads of a token share them);
 - `indexer_qk_rope_quant_and_cache` is one launch: programs [0, n_q) do q rows, the rest k rows;
 - the other ops are one launch each;
-- slots at or past the cache's capacity are skipped and OR errors.SLOT_OUT_OF_RANGE into the device's
-  error flag with one atomic per program (no host sync);
-- kernels are launched with enable_fp_fusion=False (SPEC §0.1).
+- slots at or past the cache's capacity are skipped; they, and positions outside [0, max_pos) (clamped),
+  OR errors.SLOT_OUT_OF_RANGE / POSITION_OUT_OF_RANGE into the device's error flag, with at most one
+  atomic per program (no host sync);
+- kernels are launched with enable_fp_fusion=False (SPEC §0.1);
+- `prepare_*` return (kernel, grid, args, constexprs, num_warps) of a launch without launching it
+  (tests/test_triton_aot.py compiles them for sm_90, sm_100, gfx942 and gfx950).
+
+Block sizes: `LAUNCH`, or DSAQUANT_TRITON_LAUNCH="indexer_q=64x8,k_store=32x4" (rows x warps, powers of
+two). They change speed only, never bytes.
 """
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -29,8 +38,9 @@ from .formats import (KIND_BF16, KIND_F16, KIND_F32, amax_tile, canon_nan, canon
 
 POLICY_IDS = {"threshold": 0, "rne": 1, "hardware": 2}
 SLOT_ERR: tl.constexpr = tl.constexpr(errors.SLOT_OUT_OF_RANGE)
+POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
 
-# rows per program and warps per program, by kernel (tuned for H100/H200-class GPUs; any power of two works)
+# rows per program and warps per program, by kernel (any powers of two work; bytes never depend on them)
 LAUNCH = {
     "indexer_q": (32, 4),
     "indexer_k": (16, 4),
@@ -41,14 +51,30 @@ LAUNCH = {
 }
 
 
+def _launch_from_env(spec: str) -> None:
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, val = item.partition("=")
+        rows, _, warps = val.partition("x")
+        if name not in LAUNCH:
+            raise ValueError(f"DSAQUANT_TRITON_LAUNCH: unknown kernel {name!r}; expected one of {sorted(LAUNCH)}")
+        r, w = int(rows), int(warps or LAUNCH[name][1])
+        if r < 1 or r & (r - 1) or w < 1 or w & (w - 1):
+            raise ValueError(f"DSAQUANT_TRITON_LAUNCH: {item!r}: rows and warps must be powers of two")
+        LAUNCH[name] = (r, w)
+
+
+_launch_from_env(os.environ.get("DSAQUANT_TRITON_LAUNCH", ""))
+
+
 # ---------------------------------------------------------------------------------------------------
 # shared device helpers
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _flag_bad_slots(err_ptr, bad):
-    """OR SLOT_OUT_OF_RANGE into the device error flag if any row of `bad` [R] is set (one atomic)."""
-    n_bad = tl.max(bad.to(tl.int32), axis=0)
-    tl.atomic_or(err_ptr, n_bad * SLOT_ERR, mask=n_bad > 0)
+def _flag_errors(err_ptr, bad_slot, bad_pos):
+    """OR SLOT_OUT_OF_RANGE / POSITION_OUT_OF_RANGE into the device error flag if any row of bad_slot /
+    bad_pos ([R] bool) is set: at most one atomic per program, none when all is well."""
+    code = (tl.max(bad_slot.to(tl.int32), axis=0) * SLOT_ERR) | (tl.max(bad_pos.to(tl.int32), axis=0) * POS_ERR)
+    tl.atomic_or(err_ptr, code, mask=code != 0)
 
 
 @triton.jit
@@ -77,13 +103,14 @@ def _load_vec_tiles(ptr, stride, KIND: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _rope_positions(pos_ptr, s_pos, t, mask, max_pos, RATIO: tl.constexpr):
-    """pos & ~(r-1), clamped into [0, max_pos) (int64 [R])."""
-    p = tl.load(pos_ptr + t * s_pos, mask=mask, other=0).to(tl.int64)
-    if RATIO > 1:
-        p = p & (-RATIO)
+def _rope_positions(pos_ptr, s_pos, t, mask, max_pos, ratio):
+    """(pos & ~(r-1) clamped into [0, max_pos), raw pos outside [0, max_pos)) for rows `mask` ([R] int64,
+    [R] bool; reference transforms.rope_positions, which flags POSITION_OUT_OF_RANGE for the latter)."""
+    raw = tl.load(pos_ptr + t * s_pos, mask=mask, other=0).to(tl.int64)
+    bad = mask & ((raw < 0) | (raw >= max_pos))
+    p = raw & (-ratio)                               # ratio a power of two (1: & -1, no change)
     p = tl.where(p < 0, 0, p)
-    return tl.where(p > max_pos - 1, max_pos - 1, p)
+    return tl.where(p > max_pos - 1, max_pos - 1, p), bad
 
 
 @triton.jit
@@ -139,7 +166,7 @@ def _store_bytes16(ptr, off, vals, mask):
 
 
 @triton.jit
-def _fp8_row(t0, t1, t2, t3, IS_Q: tl.constexpr, UE8M0: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+def _fp8_row(t0, t1, t2, t3, IS_Q: tl.constexpr, ue8m0, BIAS: tl.constexpr, FMAX: tl.constexpr,
              INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
     """SPEC §4 row quantization (reference fp8_quantize, block 128): codes [R, 32] x4 (int32) and scale [R]."""
     amax = tl.maximum(tl.maximum(amax_tile(t0, NATIVE), amax_tile(t1, NATIVE)),
@@ -149,8 +176,7 @@ def _fp8_row(t0, t1, t2, t3, IS_Q: tl.constexpr, UE8M0: tl.constexpr, BIAS: tl.c
     else:
         a = tl.where(amax < F.ONE_EM4, F.ONE_EM4, amax)
         s = tl.math.div_rn(a, tl.full(a.shape, FMAX, tl.float32))
-    if UE8M0:
-        s = pow2(F.ceil_exp(s))
+    s = tl.where(ue8m0 != 0, pow2(F.ceil_exp(s)), s)
     inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
     c0 = fp8_encode_scaled(t0, inv, BIAS, FMAX, FNUZ, HW_FP8)
     c1 = fp8_encode_scaled(t1, inv, BIAS, FMAX, FNUZ, HW_FP8)
@@ -160,13 +186,13 @@ def _fp8_row(t0, t1, t2, t3, IS_Q: tl.constexpr, UE8M0: tl.constexpr, BIAS: tl.c
 
 
 @triton.jit
-def _fp8_132_tile_off(base, o, k: tl.constexpr, PRESHUFFLE: tl.constexpr):
-    """Byte offsets [R, 32] of data bytes 32k..32k+31 of slots at page base `base` [R], position o [R]."""
+def _fp8_132_tile_off(base, o, k: tl.constexpr, presh):
+    """Byte offsets [R, 32] of data bytes 32k..32k+31 of slots at page base `base` [R], position o [R],
+    plain (128*o + d) or preshuffled ((o/16)*2048 + (d/16)*256 + (o%16)*16 + d%16) when presh != 0."""
     d = tl.arange(0, 32)[None, :] + 32 * k
-    if PRESHUFFLE:
-        return base[:, None] + (o[:, None] // 16) * 2048 + (d // 16) * 256 + (o[:, None] % 16) * 16 + (d % 16)
-    else:
-        return base[:, None] + 128 * o[:, None] + d
+    oo = o[:, None]
+    shuffled = (oo // 16) * 2048 + (d // 16) * 256 + (oo % 16) * 16 + (d % 16)
+    return base[:, None] + tl.where(presh != 0, shuffled, 128 * oo + d)
 
 
 @triton.jit
@@ -197,7 +223,7 @@ def _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, p0, p1, p2, p3, e0, e1, e2, e3, m
 @triton.jit
 def _sglang_two_stage(t, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr):
     """SPEC §7.2 stage 1 (recip fake-quant, bf16) then stage 2 (rule pack) on one block-of-32 tile."""
-    staged = round_bf16(fake_quant_ue8m0_tile(canon_nan(t), NATIVE), NATIVE)
+    staged = round_bf16(fake_quant_ue8m0_tile(t, NATIVE), NATIVE)
     return fp4_quant_tile(staged, 1, POLICY, R, NATIVE)
 
 
@@ -207,10 +233,11 @@ def _sglang_two_stage(t, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.const
 @triton.jit
 def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h, qo_ptr, qs_ptr, slot_ptr,
                     s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, H, qs_pad,
+                    ue8m0, all_q,
                     X_KIND: tl.constexpr, W_KIND: tl.constexpr, WO_KIND: tl.constexpr, CS_KIND: tl.constexpr,
-                    FP4: tl.constexpr, POLICY: tl.constexpr, UE8M0: tl.constexpr, BIAS: tl.constexpr,
+                    FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr,
                     FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, NEOX: tl.constexpr,
-                    ALL_Q: tl.constexpr, BLOCK_Q: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
     """q rows ((token, head) pairs) of program `pid` (SPEC §7.1)."""
     R: tl.constexpr = BLOCK_Q
     r = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -218,11 +245,8 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
     t = r // H
     h = r % H
     slot = tl.load(slot_ptr + t * s_slot, mask=in_range, other=-1).to(tl.int64)
-    if ALL_Q:
-        act = in_range
-    else:
-        act = in_range & (slot >= 0)
-    p = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
+    act = in_range & ((slot >= 0) | (all_q != 0))
+    p, _ = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)     # the k programs flag bad positions
     t0, t1, t2, t3 = _load_tiles(q_ptr, t * sq_t + h * sq_h, act, X_KIND, NATIVE)
     t0, t1 = _rope_head(t0, t1, cos_ptr, sin_ptr, s_cos, s_sin, p, act, CS_KIND, NEOX, R, NATIVE)
     t0 = round_to(t0, X_KIND, NATIVE)
@@ -257,7 +281,7 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
         w = load_f32(w_ptr, w_off, act, W_KIND, NATIVE)
         tl.store(wo_ptr + wo_off, cast_for_store(w, WO_KIND), mask=act)
     else:
-        c0, c1, c2, c3, s = _fp8_row(t0, t1, t2, t3, True, UE8M0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
+        c0, c1, c2, c3, s = _fp8_row(t0, t1, t2, t3, True, ue8m0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
         d = tl.arange(0, 32)[None, :]
         m = act[:, None]
         ob = (r * 128)[:, None]
@@ -271,19 +295,19 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
 
 @triton.jit
 def _indexer_k_rows(pid, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr, s_pos, nw_ptr, s_nw, nb_ptr, s_nb,
-                    cos_ptr, sin_ptr, s_cos, s_sin, max_pos, eps, T, capacity, P, err_ptr,
+                    cos_ptr, sin_ptr, s_cos, s_sin, max_pos, eps, T, capacity, P, err_ptr, ue8m0, presh,
                     X_KIND: tl.constexpr, CS_KIND: tl.constexpr, NW_KIND: tl.constexpr, NB_KIND: tl.constexpr,
-                    FP4: tl.constexpr, POLICY: tl.constexpr, UE8M0: tl.constexpr, BIAS: tl.constexpr,
-                    FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, PRESHUFFLE: tl.constexpr,
+                    FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr,
+                    FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FNUZ: tl.constexpr,
                     NEOX: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
     """k rows (tokens) of k-program `pid` (SPEC §7.1)."""
     R: tl.constexpr = BLOCK_K
     t = pid.to(tl.int64) * R + tl.arange(0, R)
     in_range = t < T
     slot = tl.load(slot_ptr + t * s_slot, mask=in_range, other=-1).to(tl.int64)
-    _flag_bad_slots(err_ptr, in_range & (slot >= capacity))
     act = in_range & (slot >= 0) & (slot < capacity)
-    p = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
+    p, bad_pos = _rope_positions(pos_ptr, s_pos, t, in_range, max_pos, 1)   # every token, as the reference
+    _flag_errors(err_ptr, in_range & (slot >= capacity), bad_pos)
     x0, x1, x2, x3 = _load_tiles(k_ptr, t * sk_t, act, X_KIND, NATIVE)
     # LayerNorm (SPEC §5): mean = S(x)/128, d = x - mean, var = S(d*d)/128, inv = 1/sqrt(var + eps)
     mean = (canonical_sum4(x0, x1, x2, x3, R) * F.INV128)[:, None]
@@ -311,57 +335,56 @@ def _indexer_k_rows(pid, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr
         q3, e3 = fp4_quant_tile(y3, 0, POLICY, R, NATIVE)
         _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, q0, q1, q2, q3, e0, e1, e2, e3, act)
     else:
-        c0, c1, c2, c3, s = _fp8_row(y0, y1, y2, y3, False, UE8M0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
+        c0, c1, c2, c3, s = _fp8_row(y0, y1, y2, y3, False, ue8m0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
         base = n * (P * 132)
         m = act[:, None]
-        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 0, PRESHUFFLE), c0.to(tl.uint8), mask=m)
-        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 1, PRESHUFFLE), c1.to(tl.uint8), mask=m)
-        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 2, PRESHUFFLE), c2.to(tl.uint8), mask=m)
-        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 3, PRESHUFFLE), c3.to(tl.uint8), mask=m)
+        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 0, presh), c0.to(tl.uint8), mask=m)
+        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 1, presh), c1.to(tl.uint8), mask=m)
+        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 2, presh), c2.to(tl.uint8), mask=m)
+        tl.store(kv_ptr + _fp8_132_tile_off(base, o, 3, presh), c3.to(tl.uint8), mask=m)
         _store_f32_bytes(kv_ptr, base + 128 * P + 4 * o, s, act)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ue8m0", "presh", "all_q"])
 def _indexer_kernel(
         q_ptr, sq_t, sq_h, k_ptr, sk_t, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h,
         qo_ptr, qs_ptr, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr, s_pos,
         nw_ptr, s_nw, nb_ptr, s_nb, cos_ptr, sin_ptr, s_cos, s_sin, max_pos,
-        eps, wscale, T, H, n_q_prog, capacity, P, qs_pad, err_ptr,
+        eps, wscale, T, H, n_q_prog, capacity, P, qs_pad, err_ptr, ue8m0, presh, all_q,
         X_KIND: tl.constexpr, W_KIND: tl.constexpr, WO_KIND: tl.constexpr, CS_KIND: tl.constexpr,
         NW_KIND: tl.constexpr, NB_KIND: tl.constexpr,
-        FP4: tl.constexpr, POLICY: tl.constexpr, UE8M0: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
-        INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, PRESHUFFLE: tl.constexpr, NEOX: tl.constexpr,
-        ALL_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr,
-        NATIVE: tl.constexpr):
+        FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+        INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, NEOX: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
     """One launch: programs [0, n_q_prog) quantize q rows, the rest LayerNorm/quantize/store k rows."""
     pid = tl.program_id(0)
     if pid < n_q_prog:
         _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h, qo_ptr, qs_ptr, slot_ptr,
                         s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, H, qs_pad,
-                        X_KIND, W_KIND, WO_KIND, CS_KIND, FP4, POLICY, UE8M0, BIAS, FMAX, INV_FMAX, FNUZ, NEOX,
-                        ALL_Q, BLOCK_Q, HW_FP8, NATIVE)
+                        ue8m0, all_q, X_KIND, W_KIND, WO_KIND, CS_KIND, FP4, POLICY, BIAS, FMAX, INV_FMAX, FNUZ,
+                        NEOX, BLOCK_Q, HW_FP8, NATIVE)
     else:
         _indexer_k_rows(pid - n_q_prog, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr, s_pos, nw_ptr, s_nw,
                         nb_ptr, s_nb, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, eps, T, capacity, P, err_ptr,
-                        X_KIND, CS_KIND, NW_KIND, NB_KIND, FP4, POLICY, UE8M0, BIAS, FMAX, INV_FMAX, FNUZ,
-                        PRESHUFFLE, NEOX, BLOCK_K, HW_FP8, NATIVE)
+                        ue8m0, presh, X_KIND, CS_KIND, NW_KIND, NB_KIND, FP4, POLICY, BIAS, FMAX, INV_FMAX, FNUZ,
+                        NEOX, BLOCK_K, HW_FP8, NATIVE)
 
 
 # ---------------------------------------------------------------------------------------------------
 # §7.2 index_k_norm_rope_pack_store
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["ratio"])
 def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s_f, max_pos, slot_ptr, s_slot,
-                        cache_ptr, T, capacity, P, err_ptr,
-                        X_KIND: tl.constexpr, NW_KIND: tl.constexpr, RATIO: tl.constexpr, POLICY: tl.constexpr,
+                        cache_ptr, T, capacity, P, err_ptr, ratio,
+                        X_KIND: tl.constexpr, NW_KIND: tl.constexpr, POLICY: tl.constexpr,
                         BLOCK: tl.constexpr, NATIVE: tl.constexpr):
     R: tl.constexpr = BLOCK
     t = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     in_range = t < T
     slot = tl.load(slot_ptr + t * s_slot, mask=in_range, other=-1).to(tl.int64)
-    _flag_bad_slots(err_ptr, in_range & (slot >= capacity))
     act = in_range & (slot >= 1) & (slot < capacity)
-    p = _rope_positions(pos_ptr, s_pos, t, act, max_pos, RATIO)
+    p, bad_pos = _rope_positions(pos_ptr, s_pos, t, in_range, max_pos, ratio)
+    _flag_errors(err_ptr, in_range & (slot >= capacity), bad_pos)
     x0, x1, x2, x3 = _load_tiles(k_ptr, t * sk_t, act, X_KIND, NATIVE)
     # RMSNorm (SPEC §5): y = fl(w * fl(x * inv)), rounded to k's dtype
     inv = rms_inv(x0, x1, x2, x3, eps, R)[:, None]
@@ -397,7 +420,7 @@ def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w_ptr, sw_t, sw_h, wscale,
-                       pay_ptr, exp_ptr, wo_ptr, T, H,
+                       pay_ptr, exp_ptr, wo_ptr, T, H, err_ptr,
                        X_KIND: tl.constexpr, W_KIND: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
                        NATIVE: tl.constexpr):
     R: tl.constexpr = BLOCK
@@ -405,7 +428,8 @@ def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w
     act = r < T * H
     t = r // H
     h = r % H
-    p = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
+    p, bad_pos = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
+    _flag_errors(err_ptr, bad_pos & False, bad_pos)
     x0, x1, x2, x3 = _load_tiles(q_ptr, t * sq_t + h * sq_h, act, X_KIND, NATIVE)
     x2, x3 = _rope_tail_freqs(x2, x3, f_ptr, s_f, p, act, R)
     x2 = round_to(x2, X_KIND, NATIVE)
@@ -427,22 +451,21 @@ def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w
 # ---------------------------------------------------------------------------------------------------
 # §7.2 rope_fake_quant_fp4
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
-def _fake_quant_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, out_ptr, T, H,
-                       X_KIND: tl.constexpr, E4M3: tl.constexpr, RATIO: tl.constexpr, BLOCK: tl.constexpr,
-                       NATIVE: tl.constexpr):
+@triton.jit(do_not_specialize=["ratio"])
+def _fake_quant_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, out_ptr, T, H, err_ptr, ratio,
+                       X_KIND: tl.constexpr, E4M3: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
     R: tl.constexpr = BLOCK
     r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     act = r < T * H
     t = r // H
     h = r % H
-    p = _rope_positions(pos_ptr, s_pos, t, act, max_pos, RATIO)
+    p, bad_pos = _rope_positions(pos_ptr, s_pos, t, act, max_pos, ratio)
+    _flag_errors(err_ptr, bad_pos & False, bad_pos)
     x0, x1, x2, x3 = _load_tiles(x_ptr, t * sx_t + h * sx_h, act, X_KIND, NATIVE)
     x2, x3 = _rope_tail_freqs(x2, x3, f_ptr, s_f, p, act, R)
-    x0 = canon_nan(x0)
-    x1 = canon_nan(x1)
-    x2 = canon_nan(round_to(x2, X_KIND, NATIVE))
-    x3 = canon_nan(round_to(x3, X_KIND, NATIVE))
+    x2 = round_to(x2, X_KIND, NATIVE)
+    x3 = round_to(x3, X_KIND, NATIVE)
+    # a NaN stays a NaN through stage 1 and is stored as the canonical NaN of the output dtype
     if E4M3:
         y0 = fake_quant_e4m3_tile(x0, R, NATIVE)
         y1 = fake_quant_e4m3_tile(x1, R, NATIVE)
@@ -465,18 +488,18 @@ def _fake_quant_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, o
 # ---------------------------------------------------------------------------------------------------
 # §7.3 rmsnorm_rope_rotate_fp4quant_kvcache
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["hadamard", "dense"])
 def _v4_k_kernel(kv_ptr, skv_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos,
-                 slot_ptr, s_slot, cache_ptr, scale_ptr, T, capacity, P, err_ptr,
-                 X_KIND: tl.constexpr, NW_KIND: tl.constexpr, CS_KIND: tl.constexpr, HADAMARD: tl.constexpr,
-                 POLICY: tl.constexpr, DENSE: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+                 slot_ptr, s_slot, cache_ptr, scale_ptr, T, capacity, P, err_ptr, hadamard, dense,
+                 X_KIND: tl.constexpr, NW_KIND: tl.constexpr, CS_KIND: tl.constexpr,
+                 POLICY: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
     R: tl.constexpr = BLOCK
     t = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     in_range = t < T
     slot = tl.load(slot_ptr + t * s_slot, mask=in_range, other=-1).to(tl.int64)
-    _flag_bad_slots(err_ptr, in_range & (slot >= capacity))
     act = in_range & (slot >= 0) & (slot < capacity)
-    p = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
+    p, bad_pos = _rope_positions(pos_ptr, s_pos, t, in_range, max_pos, 1)
+    _flag_errors(err_ptr, in_range & (slot >= capacity), bad_pos)
     x0, x1, x2, x3 = _load_tiles(kv_ptr, t * skv_t, act, X_KIND, NATIVE)
     inv = rms_inv(x0, x1, x2, x3, eps, R)[:, None]
     w0, w1, w2, w3 = _load_vec_tiles(nw_ptr, s_nw, NW_KIND, NATIVE)
@@ -485,23 +508,26 @@ def _v4_k_kernel(kv_ptr, skv_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, cos_ptr, sin_
     y2 = w2 * (x2 * inv)
     y3 = w3 * (x3 * inv)
     y2, y3 = _rope_tail_tables(y2, y3, cos_ptr, sin_ptr, s_cos, s_sin, p, act, CS_KIND, R, NATIVE)
-    if HADAMARD:
+    if hadamard != 0:
         y0, y1, y2, y3 = hadamard4(y0, y1, y2, y3, R)
     q0, e0 = fp4_quant_tile(y0, 0, POLICY, R, NATIVE)
     q1, e1 = fp4_quant_tile(y1, 0, POLICY, R, NATIVE)
     q2, e2 = fp4_quant_tile(y2, 0, POLICY, R, NATIVE)
     q3, e3 = fp4_quant_tile(y3, 0, POLICY, R, NATIVE)
-    if DENSE:
-        _store_bytes16(cache_ptr, slot * 64, q0, act)
-        _store_bytes16(cache_ptr, slot * 64 + 16, q1, act)
-        _store_bytes16(cache_ptr, slot * 64 + 32, q2, act)
-        _store_bytes16(cache_ptr, slot * 64 + 48, q3, act)
-        tl.store(scale_ptr + slot * 4, e0.to(tl.uint8), mask=act)
-        tl.store(scale_ptr + (slot * 4 + 1), e1.to(tl.uint8), mask=act)
-        tl.store(scale_ptr + (slot * 4 + 2), e2.to(tl.uint8), mask=act)
-        tl.store(scale_ptr + (slot * 4 + 3), e3.to(tl.uint8), mask=act)
-    else:
-        _aiter_fp4_store(cache_ptr, scale_ptr, slot, P, q0, q1, q2, q3, e0, e1, e2, e3, act)
+    # dense: payload at slot*64 (+16k), exponents at slot*4 (+g); otherwise the aiter_fp4 layout (P = 1 when
+    # dense, so the shared offsets below stay in range either way)
+    n = slot // P
+    o = slot % P
+    dn = dense != 0
+    sf = (o % 16) * (P // 16) + o // 16
+    _store_bytes16(cache_ptr, tl.where(dn, slot * 64, ((n * 4 + 0) * P + o) * 16), q0, act)
+    _store_bytes16(cache_ptr, tl.where(dn, slot * 64 + 16, ((n * 4 + 1) * P + o) * 16), q1, act)
+    _store_bytes16(cache_ptr, tl.where(dn, slot * 64 + 32, ((n * 4 + 2) * P + o) * 16), q2, act)
+    _store_bytes16(cache_ptr, tl.where(dn, slot * 64 + 48, ((n * 4 + 3) * P + o) * 16), q3, act)
+    tl.store(scale_ptr + tl.where(dn, slot * 4, (n * 4 + 0) * P + sf), e0.to(tl.uint8), mask=act)
+    tl.store(scale_ptr + tl.where(dn, slot * 4 + 1, (n * 4 + 1) * P + sf), e1.to(tl.uint8), mask=act)
+    tl.store(scale_ptr + tl.where(dn, slot * 4 + 2, (n * 4 + 2) * P + sf), e2.to(tl.uint8), mask=act)
+    tl.store(scale_ptr + tl.where(dn, slot * 4 + 3, (n * 4 + 3) * P + sf), e3.to(tl.uint8), mask=act)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -548,8 +574,9 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(v: float) -> float:
-    """Round a Python float to fp32 once (reference to_f32_scalar)."""
-    return torch.tensor([v], dtype=torch.float32).item()
+    """Round a Python float to fp32 once (reference to_f32_scalar: nearest even, Inf on overflow)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
 
 
 def _run(prep, *args):
@@ -589,11 +616,11 @@ def prepare_indexer(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, n
             slot_mapping, slot_mapping.stride(0), positions, positions.stride(0),
             nwv, norm_weight.stride(0), nbv, norm_bias.stride(0), cv, sv, cos_cache.stride(0), sin_cache.stride(0),
             cos_cache.shape[0], _f32(epsilon), _f32(weights_scale), T, H, n_q, capacity, page_size, qs_pad,
-            errors.flag_tensor(q.device)]
+            errors.flag_tensor(q.device), int(scale_fmt == "ue8m0" or fp4), int(bool(preshuffle)),
+            int(bool(compute_all_q_rope))]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, WO_KIND=wo_kind, CS_KIND=cs_kind, NW_KIND=nw_kind, NB_KIND=nb_kind,
-                  FP4=fp4, POLICY=POLICY_IDS[rounding], UE8M0=(scale_fmt == "ue8m0"), BIAS=bias, FMAX=fmax,
-                  INV_FMAX=inv_fmax, FNUZ=(flavour == "e4m3fnuz"), PRESHUFFLE=bool(preshuffle),
-                  NEOX=bool(is_neox), ALL_Q=bool(compute_all_q_rope), BLOCK_Q=bq, BLOCK_K=bk, **md)
+                  FP4=fp4, POLICY=POLICY_IDS[rounding], BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
+                  FNUZ=(flavour == "e4m3fnuz"), NEOX=bool(is_neox), BLOCK_Q=bq, BLOCK_K=bk, **md)
     return _indexer_kernel, (n_q + n_k,), args, consts, wq
 
 
@@ -619,9 +646,8 @@ def prepare_k_store(k, norm_weight, eps, positions, freqs, slots, cache, compres
     nwv, nw_kind = _kind(norm_weight, nat)
     args = [kv, k.stride(0), nwv, norm_weight.stride(0), _f32(eps), positions, positions.stride(0), freqs,
             freqs.stride(0), freqs.shape[0], slots, slots.stride(0), _u8(cache), T, cache.shape[0] * page_size,
-            page_size, errors.flag_tensor(k.device)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, RATIO=int(compress_ratio), POLICY=POLICY_IDS[rounding],
-                  BLOCK=block, NATIVE=nat)
+            page_size, errors.flag_tensor(k.device), int(compress_ratio)]
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat)
     return _k_store_v41_kernel, (triton.cdiv(T, block),), args, consts, warps
 
 
@@ -643,7 +669,7 @@ def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, pa
     wv, w_kind = _kind(head_weights, nat)
     args = [qv, q.stride(0), q.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
             wv, head_weights.stride(0), head_weights.stride(1), _f32(weight_scale), payload_out, exps_out,
-            weights_out, T, H]
+            weights_out, T, H, errors.flag_tensor(q.device)]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat)
     return _q_pack_v41_kernel, (triton.cdiv(T * H, block),), args, consts, warps
 
@@ -666,8 +692,8 @@ def prepare_fake_quant(x, positions, freqs, block, scale, compress_ratio, out, m
     xv, x_kind = _kind(x, nat)
     ov, _ = _kind(out, nat, output=True)
     args = [xv, x.stride(0), x.stride(1) if x.dim() == 3 else 0, positions, positions.stride(0), freqs,
-            freqs.stride(0), freqs.shape[0], ov, T, H]
-    consts = dict(X_KIND=x_kind, E4M3=(scale == "e4m3"), RATIO=int(compress_ratio), BLOCK=blk, NATIVE=nat)
+            freqs.stride(0), freqs.shape[0], ov, T, H, errors.flag_tensor(x.device), int(compress_ratio)]
+    consts = dict(X_KIND=x_kind, E4M3=(scale == "e4m3"), BLOCK=blk, NATIVE=nat)
     return _fake_quant_kernel, (triton.cdiv(T * H, blk),), args, consts, warps
 
 
@@ -694,9 +720,10 @@ def prepare_v4_k(kv, norm_weight, epsilon, positions, cos_cache, sin_cache, slot
     capacity = kv_cache.shape[0] if dense else kv_cache.shape[0] * page_size
     args = [xv, kv.stride(0), nwv, norm_weight.stride(0), _f32(epsilon), positions, positions.stride(0), cv, sv,
             cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0], slot_mapping, slot_mapping.stride(0),
-            _u8(kv_cache), _u8(kv_cache_scale), T, capacity, page_size, errors.flag_tensor(kv.device)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, HADAMARD=bool(hadamard_on),
-                  POLICY=POLICY_IDS[rounding], DENSE=dense, BLOCK=block, NATIVE=nat)
+            _u8(kv_cache), _u8(kv_cache_scale), T, capacity, page_size, errors.flag_tensor(kv.device),
+            int(bool(hadamard_on)), int(dense)]
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, POLICY=POLICY_IDS[rounding], BLOCK=block,
+                  NATIVE=nat)
     return _v4_k_kernel, (triton.cdiv(T, block),), args, consts, warps
 
 
