@@ -29,7 +29,7 @@ fi
 python3 -m dsaquant info | tee "$OUT/info.txt"
 if has tests; then
   eval "extra=(${GPU_TESTS_ARGS:-})"   # e.g. GPU_TESTS_ARGS="-k 'cuda or native'"
-  DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout 420 python3 -m pytest -q -p no:cacheprovider \
+  DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout ${GPU_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
     tests/gpu "${extra[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
   tail -25 "$OUT/gpu_tests.log"
 fi
@@ -46,11 +46,13 @@ if has profile && command -v ncu >/dev/null; then
   done
 fi
 if has sanitize && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck initcheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 ci/sanitize_cases.py "$BACKEND" \
-      >"$OUT/sanitizer_$tool.log" 2>&1; rc=$?
-    echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|sanitize cases done' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
-    [ $rc -eq 0 ] || status=1
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+    for script in ci/sanitize_cases.py ci/sanitize_edge_cases.py; do
+      log="$OUT/sanitizer_${tool}_$(basename "$script" .py).log"
+      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" "$BACKEND" >"$log" 2>&1; rc=$?
+      echo "compute-sanitizer $tool $(basename "$script"): rc=$rc $(grep -E 'ERROR SUMMARY|done' "$log" | tail -2 | tr '\n' ' ')"
+      [ $rc -eq 0 ] || status=1
+    done
   done
 fi
 exit $status

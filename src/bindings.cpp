@@ -54,6 +54,7 @@ void indexer(const py::dict& d, uint64_t stream) {
   a.w = ptr<const void>(d, "w"); a.w_st = get<int64_t>(d, "w_st"); a.w_sh = get<int64_t>(d, "w_sh");
   a.w_dt = get<int>(d, "w_dt");
   a.w_out = ptr<void>(d, "w_out"); a.w_out_dt = get<int>(d, "w_out_dt");
+  a.w_out_st = get<int64_t>(d, "w_out_st"); a.w_out_sh = get<int64_t>(d, "w_out_sh");
   a.q_out = ptr<uint8_t>(d, "q_out"); a.q_scale_out = ptr<uint8_t>(d, "q_scale_out");
   a.kv_cache = ptr<uint8_t>(d, "kv_cache"); a.kv_scale = ptr<uint8_t>(d, "kv_scale");
   a.slots = ptr<const void>(d, "slots"); a.slots_dt = get<int>(d, "slots_dt");

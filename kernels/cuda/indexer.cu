@@ -10,7 +10,7 @@ namespace dsqk {
 
 // weights_out[t, h] in its dtype (fp32, or rounded to bf16/fp16).
 __device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, int64_t h, float w) {
-  const int64_t i = t * a.H + h;
+  const int64_t i = t * a.w_out_st + h * a.w_out_sh;
   if (a.w_out_dt == kF32)
     static_cast<float*>(a.w_out)[i] = w;
   else

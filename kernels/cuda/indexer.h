@@ -22,7 +22,7 @@ struct IndexerArgs {         // SPEC §7.1
   const void* k; int64_t k_st; bool k_vec;
   int in_dt;                                   // q and k dtype (bf16 / fp16)
   const void* w; int64_t w_st, w_sh; int w_dt;
-  void* w_out; int w_out_dt;                   // [T, H] contiguous
+  void* w_out; int64_t w_out_st, w_out_sh; int w_out_dt;   // [T, H], any strides
   uint8_t* q_out;                              // [T, H, 128] fp8 codes or [T, H, 64] fp4 bytes
   uint8_t* q_scale_out;                        // FP4: [T, 1, 4, 16, qs_pad]
   uint8_t* kv_cache;

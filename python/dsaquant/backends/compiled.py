@@ -54,13 +54,15 @@ def make_ops(mod):
                                         q_scale_out, kv_cache_scale, rounding, fp8_flavour, page_size):
         T, H = q.shape[0], q.shape[1]
         nw, nb = _dense(norm_weight), _dense(norm_bias)
+        slot_mapping, positions = _dense(slot_mapping), _dense(positions)   # kernels index them densely
         rope, keep = _rope(positions, cos_cache, sin_cache)
         args = dict(
             T=T, H=H, num_blocks=kv_cache.shape[0], P=page_size,
             q=q.data_ptr(), q_st=q.stride(0), q_sh=q.stride(1), q_vec=_vec(q, q.stride(0), q.stride(1)),
             k=k.data_ptr(), k_st=k.stride(0), k_vec=_vec(k, k.stride(0)), in_dt=DTYPE[q.dtype],
             w=weights.data_ptr(), w_st=weights.stride(0), w_sh=weights.stride(1), w_dt=DTYPE[weights.dtype],
-            w_out=weights_out.data_ptr(), w_out_dt=DTYPE[weights_out.dtype], q_out=q_out.data_ptr(),
+            w_out=weights_out.data_ptr(), w_out_st=weights_out.stride(0), w_out_sh=weights_out.stride(1),
+            w_out_dt=DTYPE[weights_out.dtype], q_out=q_out.data_ptr(),
             q_scale_out=_p(q_scale_out), kv_cache=kv_cache.data_ptr(), kv_scale=_p(kv_cache_scale),
             slots=slot_mapping.data_ptr(), slots_dt=DTYPE[slot_mapping.dtype],
             positions=positions.data_ptr(), pos_dt=DTYPE[positions.dtype],
@@ -74,7 +76,7 @@ def make_ops(mod):
 
     def _kstore(k, norm_weight, eps, positions, slots, cache, cache_scale, rope, compress_ratio, rounding, mode,
                 hadamard, num_blocks, page_size):
-        nw = _dense(norm_weight)
+        nw, positions, slots = _dense(norm_weight), _dense(positions), _dense(slots)
         args = dict(T=k.shape[0], num_blocks=num_blocks, P=page_size, k=k.data_ptr(), k_st=k.stride(0),
                     k_vec=_vec(k, k.stride(0)), in_dt=DTYPE[k.dtype], norm_w=nw.data_ptr(), norm_w_dt=DTYPE[nw.dtype],
                     positions=positions.data_ptr(), pos_dt=DTYPE[positions.dtype], slots=slots.data_ptr(),
@@ -100,6 +102,7 @@ def make_ops(mod):
     def _qpack(q, positions, freqs, compress_ratio, mode, rounding="rne", w=None, weight_scale=1.0, payload=None,
                exps=None, w_out=None, fq_out=None):
         q3 = q if q.dim() == 3 else q.unsqueeze(1)
+        positions = _dense(positions)
         rope, _ = _rope(positions, freqs=freqs)
         w_ = w if w is not None else q3
         args = dict(T=q3.shape[0], H=q3.shape[1], q=q3.data_ptr(), q_st=q3.stride(0), q_sh=q3.stride(1),
