@@ -12,7 +12,7 @@ namespace dsqk {
 __device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, int64_t h, float w) {
   const int64_t i = t * a.w_out_st + h * a.w_out_sh;
   if (a.w_out_dt == kF32)
-    static_cast<float*>(a.w_out)[i] = w;
+    static_cast<float*>(a.w_out)[i] = canon_nan(w);   // NaN weights: the canonical NaN (docs/semantics.md)
   else
     static_cast<uint16_t*>(a.w_out)[i] = to_half_bits(w, a.w_out_dt);
 }
