@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from interp_workers import run_workers
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 
@@ -201,31 +203,7 @@ if __name__ != "__main__":
             w = loads.index(min(loads))
             shards[w].append(k)
             loads[w] += _cost(CASES[k])
-        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
-        env.pop("DSAQUANT_BACKEND", None)
-        tmp = Path(tempfile.mkdtemp(prefix="dsq_triton_interp_"))
-        procs = []
-        for w, shard in enumerate(shards):
-            cin, cout = tmp / f"cases{w}.json", tmp / f"out{w}.json"
-            cin.write_text(json.dumps(shard))
-            log = open(tmp / f"log{w}.txt", "w")
-            procs.append((subprocess.Popen([sys.executable, str(HERE), "--worker", str(cin), str(cout)], env=env,
-                                           stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO)), cout, log, w))
-        results = {}
-        for p, cout, log, w in procs:
-            try:
-                p.wait(timeout=1800)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            log.close()
-            if cout.exists():
-                results.update(json.loads(cout.read_text()))
-            else:
-                tail = (tmp / f"log{w}.txt").read_text()[-4000:]
-                for k in shards[w]:
-                    results.setdefault(k, dict(error=f"worker {w} died (rc {p.returncode}):\n{tail}"))
+        results = run_workers(HERE, shards, "dsq_triton_interp_", 1800)
         total = sum(r.get("seconds", 0.0) for r in results.values())
         print(f"\n[triton interpreter] {len(results)} cases, {total:.1f} s of worker time, {n_workers} workers")
         return results

@@ -21,6 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
+from interp_workers import run_workers
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
@@ -88,31 +90,7 @@ if __name__ != "__main__":
         selected = sorted(set(selected))
         n_workers = max(1, min(2, os.cpu_count() or 1, len(selected)))
         shards = [selected[w::n_workers] for w in range(n_workers)]
-        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
-        env.pop("DSAQUANT_BACKEND", None)
-        tmp = Path(tempfile.mkdtemp(prefix="dsq_triton_scorer_"))
-        procs = []
-        for w, shard in enumerate(shards):
-            cin, cout = tmp / f"cases{w}.json", tmp / f"out{w}.json"
-            cin.write_text(json.dumps(shard))
-            log = open(tmp / f"log{w}.txt", "w")
-            procs.append((subprocess.Popen([sys.executable, str(HERE), "--worker", str(cin), str(cout)], env=env,
-                                           stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO)), cout, log, w))
-        results = {}
-        for p, cout, log, w in procs:
-            try:
-                p.wait(timeout=1200)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            log.close()
-            if cout.exists():
-                results.update(json.loads(cout.read_text()))
-            else:
-                tail = (tmp / f"log{w}.txt").read_text()[-4000:]
-                for k in shards[w]:
-                    results.setdefault(k, dict(error=f"worker {w} died (rc {p.returncode}):\n{tail}"))
+        results = run_workers(HERE, shards, "dsq_triton_scorer_", 1200)
         total = sum(r.get("seconds", 0.0) for r in results.values())
         worst = max((r.get("worst", 0.0) for r in results.values()), default=0.0)
         print(f"\n[triton scorer, interpreter] {len(results)} cases, {total:.1f} s of worker time, "
