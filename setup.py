@@ -95,5 +95,9 @@ class BuildExt(build_ext):
                   file=sys.stderr)
 
 
-setup(ext_modules=[Extension("dsaquant._cuda", sources=CUDA_SOURCES), Extension("dsaquant._hip", sources=["src/bindings.cpp"])],
+# DSAQUANT_PURE=1: the pure-Python wheel (API, dispatcher, reference, Triton); the compiled backends then
+# come from the plugin wheels (plugins/cuda13: dsaquant-cuda13), found at import.
+PURE = os.environ.get("DSAQUANT_PURE", "0") == "1"
+setup(ext_modules=[] if PURE else [Extension("dsaquant._cuda", sources=CUDA_SOURCES),
+                                   Extension("dsaquant._hip", sources=["src/bindings.cpp"])],
       cmdclass={"build_ext": BuildExt})

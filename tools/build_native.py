@@ -42,7 +42,7 @@ def build_cuda(out: Path, tmp: Path, nvcc: str, sources=CUDA_SOURCES) -> Path:
 
     def compile_one(src: str) -> str:
         obj = tmp / (Path(src).name + ".o")
-        cmd = [nvcc, *flags, "-c", str(ROOT / src), "-o", str(obj)]
+        cmd = [nvcc, *flags, "-c", str(ROOT / src), "-o", str(obj)]   # (an absolute src stays as it is)
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         return str(obj)

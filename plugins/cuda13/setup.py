@@ -1,0 +1,24 @@
+"""Builds the dsaquant-cuda13 plugin wheel from the repository's sources (tools/build_native.py, nvcc).
+Build it from a checkout: `pip wheel plugins/cuda13` (DSAQUANT_CUDA_ARCHS as for the main build)."""
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+from build_native import CUDA_SOURCES, build_cuda, find_nvcc  # noqa: E402
+
+
+class BuildExt(build_ext):
+    def build_extension(self, ext):
+        nvcc = find_nvcc()
+        if nvcc is None:
+            raise RuntimeError("dsaquant-cuda13 needs nvcc (set CUDA_HOME)")
+        build_cuda(Path(self.get_ext_fullpath(ext.name)), Path(self.build_temp) / "cuda", nvcc, ext.sources)
+
+
+# Sources are named relative to the repository root (tools/build_native.py resolves them there).
+setup(ext_modules=[Extension("dsaquant_cuda13._cuda", sources=list(CUDA_SOURCES))],
+      cmdclass={"build_ext": BuildExt})
