@@ -1,0 +1,20 @@
+"""Builds the dsaquant-rocm7 plugin wheel from the repository's sources (tools/build_hip.py: hipify, then the
+ROCm compiler; DSAQUANT_HIP_ARCHS as for the main build). Needs ROCm and torch (for hipify) in the build
+environment: `pip wheel --no-build-isolation plugins/rocm7`."""
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+
+class BuildExt(build_ext):
+    def build_extension(self, ext):
+        import build_hip
+        build_hip.build_module(Path(self.get_ext_fullpath(ext.name)))
+
+
+setup(ext_modules=[Extension("dsaquant_rocm7._hip", sources=["src/bindings.cpp"])], cmdclass={"build_ext": BuildExt})
