@@ -29,8 +29,12 @@ fi
 python3 -m dsaquant info | tee "$OUT/info.txt"
 if has tests; then
   eval "extra=(${GPU_TESTS_ARGS:-})"   # e.g. GPU_TESTS_ARGS="-k 'cuda or native'"
-  DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout ${GPU_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu "${extra[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
+  # -v --tb=short: each test's name and result is in the log as it happens, so a run stopped by the timeout
+  # still says which tests failed. The whole folder takes longer than one 10-minute device call with a cold
+  # Triton cache: split it by file (GPU_TESTS_FILES="tests/gpu/test_backend_exact.py" ...) when time is short.
+  DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout ${GPU_TESTS_TIMEOUT:-420} python3 -m pytest -v --tb=short \
+    -rf -p no:cacheprovider ${GPU_TESTS_FILES:-tests/gpu} "${extra[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
+  grep -E " FAILED| ERROR" "$OUT/gpu_tests.log" | head -40
   tail -25 "$OUT/gpu_tests.log"
 fi
 if has bench; then
