@@ -299,36 +299,9 @@ class _Tally:
 
 
 def _inject(x, which: int):
-    """Special rows in x [T, (H,) 128] (in place on a clone): row i < 5 gets special kind (i + which) % 5:
-    0 all zero; 1 E2M1 midpoints and 6.0 in every block of 32 (both halves, so head and tail RoPE ops
-    both keep one half exact); 2 NaN, +Inf and -Inf elements; 3 tiny (subnormal-heavy) values; 4 a block
-    whose amax is exactly a power of two times 6, and negative values rounding to zero."""
-    import torch
-    x = x.clone()
-    T = x.shape[0]
-    mid = torch.tensor(MIDPOINTS + (6.0,), dtype=torch.float32)
-    blk = torch.cat([mid, -mid, mid.flip(0), -mid.flip(0)])                 # 32 values, amax 6
-    for i in range(min(T, 5)):
-        kind = (i + which) % 5
-        if kind == 0:
-            x[i] = 0
-        elif kind == 1:
-            x[i] = blk.repeat(4).to(x.dtype)
-        elif kind == 2:
-            x[i, ..., 3] = float("nan")
-            x[i, ..., 40] = float("nan")
-            x[i, ..., 70] = float("inf")
-            x[i, ..., 100] = float("-inf")
-            x[i, ..., 33] = float("-inf")
-        elif kind == 3:
-            x[i] = (x[i].float() * 1e-38).to(x.dtype)
-        else:
-            v = torch.full((128,), -0.01, dtype=torch.float32)
-            v[0::32] = 12.0
-            v[5::32] = -0.0
-            v[7::32] = 3.0
-            x[i] = v.to(x.dtype)
-    return x
+    """The shared special rows (dsaquant.testing.special_rows)."""
+    from dsaquant.testing import special_rows
+    return special_rows(x, which)
 
 
 def _strided_rows(x):

@@ -122,6 +122,47 @@ def make_v4_k(T=64, device="cpu", seed=0, scale=1.0, page_size=64, hadamard=True
                 hadamard=hadamard, rounding=rounding, layout=layout)
 
 
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+SPECIAL_KINDS = 6
+
+
+def special_rows(x: torch.Tensor, which: int = 0) -> torch.Tensor:
+    """A copy of x [T, (H,) 128] whose rows 0..5 are special (kind (i + which) % 6): 0 all zero; 1 the E2M1
+    midpoints and 6.0 in every block of 32 (amax 6: the scale is 1 under both UE8M0 rules); 2 NaN, +Inf and
+    -Inf elements; 3 tiny (subnormal-heavy) values; 4 RoPE partners equal in both pair layouts (a*c - b*s
+    cancels, which exposes an FMA); 5 a block whose amax is a power of two times 6, with negative values that
+    round to zero next to it. Used by the byte-exact tests of every backend."""
+    x = x.clone()
+    mid = torch.tensor(MIDPOINTS + (6.0,), dtype=torch.float32)
+    blk = torch.cat([mid, -mid, mid.flip(0), -mid.flip(0)])
+    for i in range(min(x.shape[0], SPECIAL_KINDS)):
+        kind = (i + which) % SPECIAL_KINDS
+        if kind == 0:
+            x[i] = 0
+        elif kind == 1:
+            x[i] = blk.repeat(4).to(x.device, x.dtype)
+        elif kind == 2:
+            for d, v in ((3, "nan"), (40, "nan"), (70, "inf"), (100, "-inf"), (33, "-inf")):
+                x[i, ..., d] = float(v)
+        elif kind == 3:
+            x[i] = (x[i].float() * 1e-38).to(x.dtype)
+        elif kind == 4:
+            r = x[i].clone()
+            v = r[..., 0:32].clone()
+            v[..., 1::2] = v[..., 0::2]                      # interleaved head pairs (2j, 2j+1) equal
+            r[..., 0:32] = v
+            r[..., 32:64] = v                                # neox head pairs (j, j+32) equal
+            r[..., 65:128:2] = r[..., 64:128:2]              # interleaved tail pairs equal
+            x[i] = r
+        else:
+            v = torch.full((128,), -0.01, dtype=torch.float32)
+            v[0::32] = 12.0
+            v[5::32] = -0.0
+            v[7::32] = 3.0
+            x[i] = v.to(x.device, x.dtype)
+    return x
+
+
 def topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     """Mean over rows of |topk(a) ∩ topk(b)| / k (rows of fp32 logits; -inf entries never count)."""
     k = min(k, a.shape[-1])

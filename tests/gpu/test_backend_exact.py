@@ -29,27 +29,12 @@ T_GRID = (1, 5, 64, 300, 4096)
 H_GRID = (16, 32, 64, 128)
 SCALES = (1.0, 40.0, 1e-3, 1e-30)
 POLICIES = ("threshold", "rne", "hardware")
-MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def inject_specials(x: torch.Tensor) -> torch.Tensor:
-    """Rows 0..3 of x [T, (H,) 128] become: all zero; E2M1 midpoints (dims 64..127 of a block of amax 6,
-    untouched by head RoPE); NaN, +Inf, -Inf elements; a tiny subnormal-heavy row."""
-    x = x.clone()
-    rows = x.shape[0]
-    if rows > 0:
-        x[0] = 0
-    if rows > 1:
-        mid = torch.tensor(MIDPOINTS + (6.0,), dtype=torch.float32)
-        pat = torch.cat([mid, -mid, mid.flip(0), -mid.flip(0)]).repeat(2)[:64]
-        x[1, ..., 64:] = pat.to(x.dtype).to(x.device)
-    if rows > 2:
-        x[2, ..., 3] = float("nan")
-        x[2, ..., 70] = float("inf")
-        x[2, ..., 100] = float("-inf")
-    if rows > 3:
-        x[3] = x[3] * 1e-38
-    return x
+    """The shared special rows: zeros, E2M1 midpoints, NaN/±Inf, tiny values, FMA-exposing RoPE pairs,
+    negatives rounding to zero (dsaquant.testing.special_rows)."""
+    return tt.special_rows(x)
 
 
 def clone_args(args: dict) -> dict:

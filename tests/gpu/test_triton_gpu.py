@@ -42,49 +42,13 @@ T_GRID = (1, 5, 64, 300, 4096)
 H_GRID = (16, 32, 64, 128)
 SCALES = (1.0, 40.0, 1e-3, 1e-30)
 POLICIES = ("threshold", "rne", "hardware")
-MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 MODES = ("triton", "triton-soft")
 TOTAL = {}          # op -> [cases, bytes, mismatches] over both modes, for test_zz_summary
 
 
 def inject(x: torch.Tensor, which: int = 0) -> torch.Tensor:
-    """Rows 0..5 of x [T, (H,) 128] become special (kind (i + which) % 6): all zero; E2M1 midpoints and 6.0
-    in every block of 32 (amax 6: the scale is 1 under both UE8M0 rules); NaN, +Inf, -Inf elements; tiny
-    (subnormal-heavy) values; RoPE partners equal in both rope layouts (cancellation a*c - b*s exposes an
-    FMA); negative values that round to zero next to a large one."""
-    x = x.clone()
-    T = x.shape[0]
-    mid = torch.tensor(MIDPOINTS + (6.0,), dtype=torch.float32)
-    blk = torch.cat([mid, -mid, mid.flip(0), -mid.flip(0)])
-    for i in range(min(T, 6)):
-        kind = (i + which) % 6
-        if kind == 0:
-            x[i] = 0
-        elif kind == 1:
-            x[i] = blk.repeat(4).to(x.device, x.dtype)
-        elif kind == 2:
-            x[i, ..., 3] = float("nan")
-            x[i, ..., 40] = float("nan")
-            x[i, ..., 70] = float("inf")
-            x[i, ..., 100] = float("-inf")
-            x[i, ..., 33] = float("-inf")
-        elif kind == 3:
-            x[i] = (x[i].float() * 1e-38).to(x.dtype)
-        elif kind == 4:
-            r = x[i].clone()
-            v = r[..., 0:32].clone()
-            v[..., 1::2] = v[..., 0::2]                      # interleaved head pairs (2j, 2j+1) equal
-            r[..., 0:32] = v
-            r[..., 32:64] = v                                # neox head pairs (j, j+32) equal
-            r[..., 65:128:2] = r[..., 64:128:2]              # interleaved tail pairs equal
-            x[i] = r
-        else:
-            v = torch.full((128,), -0.01, dtype=torch.float32)
-            v[0::32] = 12.0
-            v[5::32] = -0.0
-            v[7::32] = 3.0
-            x[i] = v.to(x.device, x.dtype)
-    return x
+    """The shared special rows (dsaquant.testing.special_rows)."""
+    return tt.special_rows(x, which)
 
 
 def clone_args(args: dict) -> dict:

@@ -128,3 +128,20 @@ def make_ops(mod):
 def register_compiled(backend: str, mod) -> None:
     for name, fn in make_ops(mod).items():
         register(backend, name, fn)
+
+
+def load_and_register(backend: str, module: str, plugin: str, how: str) -> None:
+    """Import the compiled module `module` from the source tree (dsaquant.<module>) or from the plugin wheel
+    package `plugin`, and register its ops as `backend`. ImportError (with `how` to get it) if neither exists."""
+    import importlib
+    why = []
+    for where in (f"dsaquant.{module}", f"{plugin}.{module}"):
+        try:
+            mod = importlib.import_module(where)
+            break
+        except ImportError as e:   # keep the reasons: "not built" and "built but does not load" differ
+            why.append(f"{where}: {e}")
+    else:
+        raise ImportError(f"the {backend} module is not built here and the plugin `{plugin.replace('_', '-')}` is "
+                          f"not installed ({how}) [{'; '.join(why)}]")
+    register_compiled(backend, mod)
