@@ -82,3 +82,23 @@ def pytest_terminal_summary(terminalreporter):
     tot = sum(v[0] for v in HEADER_COUNTS.values())
     bad = sum(v[1] for v in HEADER_COUNTS.values())
     tr.write_line(f"{'TOTAL':<48} {tot:>12,} compared {bad:>6} mismatches")
+
+
+def _drain_error_flags():
+    import dsaquant
+    try:
+        dsaquant.check_errors()
+    except dsaquant.DsaquantError:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def clean_error_state():
+    """Every test starts and ends with cleared device error flags and host checks off, so a test that
+    provokes a flag never leaks it into the next one."""
+    import dsaquant
+    _drain_error_flags()
+    dsaquant.set_host_checks(False)
+    yield
+    dsaquant.set_host_checks(False)
+    _drain_error_flags()

@@ -15,6 +15,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def selected_case_ids(request, test_file: Path) -> list[str]:
+    """The `case_id` parameters of the collected tests of `test_file` in this pytest session."""
+    ids = set()
+    for item in request.session.items:
+        cs = getattr(item, "callspec", None)
+        if Path(str(item.fspath)).resolve() == test_file and cs is not None and "case_id" in cs.params:
+            ids.add(cs.params["case_id"])
+    return sorted(ids)
+
+
 def run_workers(script: Path, shards: list[list[str]], prefix: str, timeout: int) -> dict:
     """Start one interpreter worker per shard of case ids; returns {case_id: result dict}. A worker that
     dies or times out gives each of its cases an `error` entry with the tail of its log."""

@@ -27,20 +27,6 @@ F = np.float32
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _clean_flags():
-    def drain():
-        try:
-            dsaquant.check_errors()
-        except dsaquant.DsaquantError:
-            pass
-    drain()
-    dsaquant.set_host_checks(False)
-    yield
-    dsaquant.set_host_checks(False)
-    drain()
-
-
 # ------------------------------------------------------------------------------------------------
 # numpy.float32 oracle (SPEC §0, §5, §7.2 stage 1, §7.6), independent of dsaquant.reference
 # ------------------------------------------------------------------------------------------------

@@ -21,18 +21,6 @@ GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 
 
-@pytest.fixture(autouse=True)
-def _clean_flags():
-    def drain():
-        try:
-            dsaquant.check_errors()
-        except dsaquant.DsaquantError:
-            pass
-    drain()
-    yield
-    drain()
-
-
 # ------------------------------------------------------------------------------------------------
 # numpy.float32 oracle (SPEC §1-§5, §7.7)
 # ------------------------------------------------------------------------------------------------

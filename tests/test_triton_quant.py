@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from interp_workers import run_workers
+from interp_workers import run_workers, selected_case_ids
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -190,12 +190,8 @@ if __name__ != "__main__":
     @pytest.fixture(scope="session")
     def interp_results(request):
         pytest.importorskip("triton")
-        selected = []
-        for item in request.session.items:
-            cs = getattr(item, "callspec", None)
-            if Path(str(item.fspath)).resolve() == HERE and cs is not None and "case_id" in cs.params:
-                selected.append(cs.params["case_id"])
-        selected = sorted(set(selected), key=lambda k: -_cost(CASES[k]))
+        selected = selected_case_ids(request, HERE)
+        selected = sorted(selected, key=lambda k: -_cost(CASES[k]))
         n_workers = max(1, min(4, os.cpu_count() or 1, len(selected)))
         shards = [[] for _ in range(n_workers)]
         loads = [0.0] * n_workers

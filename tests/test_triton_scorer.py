@@ -21,7 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-from interp_workers import run_workers
+from interp_workers import run_workers, selected_case_ids
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -82,12 +82,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="session")
     def scorer_results(request):
         pytest.importorskip("triton")
-        selected = []
-        for item in request.session.items:
-            cs = getattr(item, "callspec", None)
-            if Path(str(item.fspath)).resolve() == HERE and cs is not None and "case_id" in cs.params:
-                selected.append(cs.params["case_id"])
-        selected = sorted(set(selected))
+        selected = selected_case_ids(request, HERE)
         n_workers = max(1, min(2, os.cpu_count() or 1, len(selected)))
         shards = [selected[w::n_workers] for w in range(n_workers)]
         results = run_workers(HERE, shards, "dsq_triton_scorer_", 1200)
