@@ -2,7 +2,8 @@
 
   python3 tools/build_native.py cuda   -> python/dsaquant/_cuda<EXT_SUFFIX> (nvcc)
 
-Environment: DSAQUANT_CUDA_ARCHS (default "90a;100a"), CUDA_HOME. Flags follow SPEC §0: -O3
+Environment: DSAQUANT_CUDA_ARCHS (default "90a;100a"), CUDA_HOME, DSAQUANT_NVCC_EXTRA (extra flags, e.g.
+tuning macros of a kernel for an experiment). Flags follow SPEC §0: -O3
 --fmad=false (no FMA contraction); never fast-math or FTZ. The CUDA runtime is linked statically and
 no libtorch is linked, so the module imports under any torch version.
 """
@@ -31,7 +32,8 @@ def nvcc_flags() -> list[str]:
     archs = [a.strip() for a in os.environ.get("DSAQUANT_CUDA_ARCHS", "90a;100a").split(";") if a.strip()]
     return ["-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
             f"-I{ROOT / 'src/include'}", f"-I{ROOT / 'kernels/cuda'}", f"-I{pybind11.get_include()}",
-            f"-I{sysconfig.get_paths()['include']}", *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]]
+            f"-I{sysconfig.get_paths()['include']}", *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs],
+            *os.environ.get("DSAQUANT_NVCC_EXTRA", "").split()]
 
 
 def build_cuda(out: Path, tmp: Path, nvcc: str, sources=CUDA_SOURCES) -> Path:

@@ -358,12 +358,15 @@ def e2m1_index_core(a, POLICY: tl.constexpr):
     2^21 - 1, plus the kept bit for ties-to-even; a carry moves into the exponent exactly), and the index
     is the rounded bits >> 22 minus 252 (1.0 = 0x3F800000 -> 2). Below 1 the quantum is 0.5: rne adds
     2^22 in fp32 (round half even to a multiple of 0.5, exact) and reads the multiple off the bits;
-    threshold compares against 0.25 and 0.75. Values are clamped to 6 first (6 -> 7)."""
+    threshold does the same and takes back the one tie that went up (0.75 -> 1.0). Values are clamped to 6 first (6 -> 7)."""
     c = tl.minimum(a, 6.0)
     b = as_bits(c)
     if POLICY == 0:
+        # below 1: the rne index, minus one at the only tie rne sends up (0.75). Not the shorter
+        # (c > 0.25) + (c > 0.75): LLVM narrows that to 16-bit vector code, and on the H200 (Triton 3.6,
+        # sm_90) the FP4 indexer's first q tile then got wrong codes (issue #5, ci/triton_bisect.py).
         m_norm = ((b + 0x1FFFFF) >> 22) - 252
-        m_sub = (c > 0.25).to(tl.int32) + (c > 0.75).to(tl.int32)
+        m_sub = (as_bits(c + 4194304.0) - 0x4A800000) - (c == 0.75).to(tl.int32)
     else:
         m_norm = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - 252
         m_sub = as_bits(c + 4194304.0) - 0x4A800000           # bits(2^22) = 0x4A800000

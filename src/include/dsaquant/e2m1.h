@@ -16,14 +16,25 @@ enum class Rounding : int { threshold = 0, rne = 1, hardware = 2 };
 //        threshold sends every tie down. |v| > 5 (Inf included) gives 7. NaN gives m = 7 (ours).
 //  sign: threshold/rne: set only if v < 0 and m != 0 (so -0, NaN and small negatives give 0x0).
 //        hardware: the sign bit of v, always (-0 -> 0x8, -NaN -> 0xF).
+// Computed on the bits rather than by seven comparisons: c = min(|v|, 6) (NaN -> 6, so m = 7);
+// for c >= 1 (E2M1's normal range, one mantissa bit) the fp32 mantissa is rounded at bit 22 by an
+// integer add (2^21 - 1, plus the kept bit for ties to even; a carry moves into the exponent
+// exactly) and m = bits >> 22 minus 252 (1.0 = 0x3F800000 -> 2); below 1 the quantum is 0.5 and
+// fl(c + 2^22) rounds c half to even onto it (m = its bits minus those of 2^22), after which
+// threshold takes back the one tie that went up (0.75 -> 1.0). tests/test_header_host.py checks
+// this against the reference (every bf16 value at every exponent, and an fp32 sweep).
 DSQ_HD uint8_t e2m1_encode(float v, Rounding r) {
   const float a = abs_f(v);
+  const float c = fmin_nn(a, 6.0f);   // NaN -> 6 (platform.h: the non-NaN operand)
+  const uint32_t b = f2u(c);
   const bool even_up = r != Rounding::threshold;
-  int m = (a > 0.25f) + (even_up ? a >= 0.75f : a > 0.75f) + (a > 1.25f) +
-          (even_up ? a >= 1.75f : a > 1.75f) + (a > 2.5f) + (even_up ? a >= 3.5f : a > 3.5f) + (a > 5.0f);
-  if (is_nan(v)) m = 7;
-  const bool neg = r == Rounding::hardware ? sign_bit(v) : (v < 0.0f && m != 0);
-  return static_cast<uint8_t>((neg ? 8 : 0) | m);
+  uint32_t m;
+  if (c < 1.0f)
+    m = f2u(fadd(c, 4194304.0f)) - 0x4A800000u - (!even_up && c == 0.75f ? 1u : 0u);
+  else
+    m = ((b + 0x1FFFFFu + (even_up ? (b >> 22) & 1u : 0u)) >> 22) - 252u;
+  const bool neg = r == Rounding::hardware ? sign_bit(v) : (v < 0.0f && m != 0u);
+  return static_cast<uint8_t>((neg ? 8u : 0u) | m);
 }
 
 // SPEC §1: code (low nibble) -> fp32; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; 0x8 gives -0.

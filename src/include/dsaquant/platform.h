@@ -146,6 +146,16 @@ DSQ_HD float fmax_nn(float a, float b) {
   return a > b ? a : b;
 #endif
 }
+// The smaller of a and b, ignoring a NaN operand (as fmax_nn).
+DSQ_HD float fmin_nn(float a, float b) {
+#if defined(DSQ_CUDA_DEVICE)
+  return fminf(a, b);   // one FMNMX: IEEE minNum, a NaN operand is ignored
+#else
+  if (is_nan(a)) return b;
+  if (is_nan(b)) return a;
+  return a < b ? a : b;
+#endif
+}
 
 // torch.clamp_min / clamp_max semantics: a NaN `a` stays NaN (the reference's max(amax, floor)).
 DSQ_HD float clamp_lo(float a, float lo) { return a < lo ? lo : a; }
