@@ -1,6 +1,7 @@
-"""Every Triton writer kernel (dsaquant/triton/quant.py) compiles ahead of time, without a GPU, for sm_90,
-sm_100, gfx942 and gfx950, in the variants the ops launch (each constexpr setting below), through the same
-specialisation path a real launch takes (argument alignment and divisibility from the actual tensors).
+"""Every Triton writer kernel (dsaquant/triton/quant.py, and the DeepSeek-V4 kernels of compress.py and
+rope_rotate.py) compiles ahead of time, without a GPU, for sm_90, sm_100, gfx942 and gfx950, in the variants
+the ops launch (each constexpr setting below), through the same specialisation path a real launch takes
+(argument alignment and divisibility from the actual tensors).
 
 The compiled code is also checked for the SPEC §0.1 / §8 hazards: no fp32 FMA, no flush-to-zero and no
 approximate division, square root, reciprocal, exp2 or log2 in the PTX; no fast-math or `contract` flags
@@ -120,6 +121,78 @@ VARIANTS = {
 }
 
 
+# ---- the DeepSeek-V4 kernels (dsaquant/triton/compress.py, rope_rotate.py) -------------------------------
+def _v4():
+    _quant()
+    from dsaquant.triton import compress, rope_rotate
+    return compress, rope_rotate
+
+
+def _page_size(a):
+    c, mode = a["cache"], a["quant_mode"]
+    if mode in ("none", "fp4_sim"):
+        return c.shape[1]
+    if c.dim() == 5:
+        return c.shape[3]
+    return c.shape[1] // (68 if mode == "fp4" else 132)
+
+
+def _compress(starts=(0,), lens=(512,), **kw):
+    """The positional arguments of reference.compress.compress_kv, from testing.make_compress_kv."""
+    a = tt.make_compress_kv(starts=starts, lens=lens, **kw)
+    return (a["kv"], a["score"], a["ape"], a["state_kv"], a["state_score"], a["state_slot"], a["cu_seqlens"],
+            a["start_pos"], a["norm_weight"], a["epsilon"], a["cos_cache"], a["sin_cache"], a["out_slots"], a["cache"],
+            a["cache_scale"], a["ratio"], a["overlap"], a["quant_mode"], a.get("layout", "packed68"),
+            a.get("scale_rule", "recip"), a.get("rounding", "rne"), a.get("scale_fmt", "ue8m0"),
+            a.get("fp8_flavour", "e4m3fn"), a.get("preshuffle", False), a["hadamard"], a["bf16_after"], a["freqs"],
+            a["update_state"], _page_size(a))
+
+
+def _compress_state(**kw):
+    args = _compress(**kw)
+    return args[:8] + (args[15], args[16])
+
+
+def _rope_rotate(**kw):
+    """The positional arguments of reference.compress.rope_rotate_quant, from testing.make_rope_rotate_quant."""
+    a = tt.make_rope_rotate_quant(**kw)
+    default_group = 128 if kw.get("out") in ("e4m3fn", "e4m3fnuz") else 32
+    return (a["out"], a["x"], a["cos_cache"], a["sin_cache"], a["positions"], 64, a.get("out_scale"),
+            a.get("group_size", default_group), a["shuffle_scale"], a["hadamard"], a["rounding"])
+
+
+V4_VARIANTS = {  # name -> (prepare function name, args); "-soft": the DSAQUANT_TRITON_NATIVE=0 fallback
+    "compress-r4-fp4-packed68-bf16-blocked": ("compress", lambda: _compress(quant_mode="fp4", hadamard=True)),
+    "compress-r4-fp4-packed68-bf16-blocked-soft": ("compress", lambda: _compress(quant_mode="fp4")),
+    "compress-r4-fp4-aiter-hardware-decode": ("compress", lambda: _compress(
+        starts=tuple(range(3, 256, 4)), lens=(1,) * 64, quant_mode="fp4", layout="aiter_fp4", rounding="hardware",
+        bf16_after=())),
+    "compress-r4-fp8-e4m3fn-preshuffle-fp32": ("compress", lambda: _compress(
+        quant_mode="fp8", preshuffle=True, dtype=torch.float32, cs_dtype=torch.float32)),
+    "compress-r4-fp8-e4m3fnuz-fp32scale": ("compress", lambda: _compress(
+        quant_mode="fp8", fp8_flavour="e4m3fnuz", scale_fmt=None, nw_dtype=torch.bfloat16)),
+    "compress-r4-fp4sim-pack-freqs-fp32": ("compress", lambda: _compress(
+        quant_mode="fp4_sim", scale_rule="pack", use_freqs=True, dtype=torch.float32)),
+    "compress-r4-nooverlap-none": ("compress", lambda: _compress(quant_mode="none", overlap=False)),
+    "compress-r128-none-D512": ("compress", lambda: _compress(ratio=128, D=512, quant_mode="none")),
+    "compress-r128-fp4-pack-threshold-fp32": ("compress", lambda: _compress(
+        ratio=128, quant_mode="fp4", scale_rule="pack", rounding="threshold", dtype=torch.float32,
+        cs_dtype=torch.float16)),
+    "compress-r128-overlap-fp4sim": ("compress", lambda: _compress(ratio=128, overlap=True, quant_mode="fp4_sim")),
+    "compress_state-bf16-C256": ("compress_state", lambda: _compress_state()),
+    "compress_state-fp32-C512": ("compress_state", lambda: _compress_state(ratio=128, D=512, dtype=torch.float32)),
+    "rope_rotate-fp4-shuffled-bf16": ("rope_rotate", lambda: _rope_rotate(T=8, H=64)),
+    "rope_rotate-fp4-shuffled-bf16-soft": ("rope_rotate", lambda: _rope_rotate(T=8, H=64)),
+    "rope_rotate-fp4-dense-g16-D1024-fp16-threshold": ("rope_rotate", lambda: _rope_rotate(
+        T=4, H=4, D=1024, dtype=torch.float16, group_size=16, shuffle_scale=False, rounding="threshold")),
+    "rope_rotate-fp8-e4m3fn-D512": ("rope_rotate", lambda: _rope_rotate(T=4, H=8, D=512, out="e4m3fn")),
+    "rope_rotate-fp8-e4m3fnuz-g64-fp32x": ("rope_rotate", lambda: _rope_rotate(
+        T=4, H=8, out="e4m3fnuz", group_size=64, dtype=torch.float32, cs_dtype=torch.float32)),
+    "rope_rotate-bf16-D256-nohadamard": ("rope_rotate", lambda: _rope_rotate(T=4, H=8, D=256, out="half",
+                                                                             hadamard=False)),
+}
+
+
 def _has_target(kind: str) -> str:
     """'' if this triton build has the backend for `kind` (cuda / hip), else why not."""
     try:
@@ -208,3 +281,33 @@ def test_every_op_has_an_aot_variant():
     quant = _quant()
     ops = {VARIANTS[v]()[0] for v in VARIANTS}
     assert ops == set(quant.OPS) == set(quant.PREPARE)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("variant", list(V4_VARIANTS))
+def test_v4_kernel_compiles(variant, target):
+    """compress_kv's two launches and rope_rotate_quant's one (SPEC §7.6, §7.7), same checks as above."""
+    compress, rope_rotate = _v4()
+    kind = TARGETS[target][0]
+    why = _has_target(kind)
+    if why:
+        pytest.skip(why)
+    which, make = V4_VARIANTS[variant]
+    prep = {"compress": compress.prepare_compress, "compress_state": compress.prepare_state,
+            "rope_rotate": rope_rotate.prepare_rope_rotate}[which]
+    tgt = GPUTarget(*TARGETS[target])
+    modes = dict(NATIVE=False, HW_FP8=False) if variant.endswith("-soft") else target_modes(tgt)
+    kernel, grid, kargs, consts, warps = prep(*make(), modes=modes)
+    assert math.prod(grid) >= 1
+    compiled = compile_variant(kernel, kargs, consts, warps, tgt)
+    binary = "cubin" if kind == "cuda" else "hsaco"
+    assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
+    problems = check_code(compiled, kind)
+    assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
+
+
+def test_every_v4_op_has_an_aot_variant():
+    compress, rope_rotate = _v4()
+    names = {v.split("-")[0] for v in V4_VARIANTS}
+    assert names == {"compress", "compress_state", "rope_rotate"}
+    assert set(compress.OPS) | set(rope_rotate.OPS) == {"compress_kv", "rope_rotate_quant"}

@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from . import dispatch, ops, testing as tt
+from . import dispatch, ops, testing as tt, v4ops
 
 OUT_KEYS = {
     "indexer_qk_rope_quant_and_cache": ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"),
@@ -109,7 +109,55 @@ def cases(T: int, H: int):
            lambda s: tt.make_v4_k(T=T, device="cuda", seed=s), lambda a: _nbytes(a["kv"]) + 16 * T + 68 * T)
 
 
-def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print):
+def compress_bytes(a, starts, lens) -> int:
+    """The fewest bytes compress_kv (SPEC §7.6) must move for the arguments `a` of sequences (starts, lens):
+    kv and score read once; each boundary's window rows that precede its call come from the fp32 ring (the
+    half of the columns each row contributes, both ring tensors); the cache rows written (non-negative
+    slots); the ring rows written (the last K tokens of each sequence, full width, both tensors); out_slots,
+    positions and ring slots of the tokens; the cos/sin rows of the boundaries. ape and the norm weight are
+    a few KB (not counted)."""
+    kv = a["kv"]
+    T, C = kv.shape
+    ratio = a["ratio"]
+    K = ratio * (2 if a["overlap"] else 1)
+    D = C // (2 if a["overlap"] else 1)
+    bnd = tt.compress_boundaries(starts, lens, ratio)
+    ring_rows = sum(sum(1 for s in range(p - K + 1, p + 1) if 0 <= s < starts[b]) for _, b, p in bnd)
+    mode = a["quant_mode"]
+    row = {"none": 2 * D, "fp4_sim": 2 * D, "fp4": 68, "fp8": 132}[mode]
+    slots = a["out_slots"].cpu()
+    stored = sum(1 for i, _, _ in bnd if int(slots[i]) >= 0)
+    written = sum(min(n, K) for n in lens)
+    cs = 2 * 32 * a["cos_cache"].element_size() if a.get("cos_cache") is not None else 64 * 4
+    return (2 * _nbytes(kv) + ring_rows * D * 4 * 2 + stored * row + written * C * 4 * 2 + 8 * T
+            + 12 * len(lens) + len(bnd) * cs)
+
+
+def v4_cases():
+    """(label, tokens, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int) of the DeepSeek-V4 rows:
+    compress_kv decode (64 sequences of one token, ratio 4, about a quarter of them at a boundary) and prefill
+    (one 8192-token prompt, ratio 4 and ratio 128), FP4 packed68 with bf16 inputs; rope_rotate_quant at
+    T = 8192, H = 64, D = 128 into FP4 with the shuffled (aiter) scales."""
+    dec_starts, dec_lens = tuple(1000 + 4 * b + (b % 4) for b in range(64)), (1,) * 64
+    for label, starts, lens, ratio in (("compress_kv decode B=64 r4 fp4", dec_starts, dec_lens, 4),
+                                       ("compress_kv prefill r4 fp4", (0,), (8192,), 4),
+                                       ("compress_kv prefill r128 fp4", (0,), (8192,), 128)):
+        def make(s, starts=starts, lens=lens, ratio=ratio):
+            return tt.make_compress_kv(starts=starts, lens=lens, ratio=ratio, device="cuda", seed=s,
+                                       quant_mode="fp4", negatives=False, dtype=torch.bfloat16,
+                                       max_pos=max(4096, max(st + n for st, n in zip(starts, lens))))
+        yield (label, sum(lens), "compress_kv", v4ops.compress_kv, make,
+               lambda a, starts=starts, lens=lens: compress_bytes(a, starts, lens))
+    T, H = 8192, 64
+
+    def rr_bytes(a):
+        return (_nbytes(a["x"]) + _nbytes(a["out"]) + _nbytes(a["out_scale"]) + _nbytes(a["positions"])
+                + T * 2 * 32 * a["cos_cache"].element_size())
+    yield ("rope_rotate_quant fp4 H=64", T, "rope_rotate_quant", v4ops.rope_rotate_quant,
+           lambda s: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes)
+
+
+def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print, v4=True):
     bw = copy_bandwidth()
     log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s")
     backends = backends or [b for b in ("cuda", "triton", "reference") if dispatch.available(b)[0]]
@@ -134,6 +182,25 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
                 gbs = moved / sec / 1e9
                 rows.append(dict(op=label, tokens=T, heads=heads, backend=b, us=sec * 1e6, gb_s=gbs,
                                  pct_copy=100 * gbs / bw, bytes=moved, timing=how))
+    for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
+        sets = [make(s) for s in range(4 if T >= 1024 else 1)]
+        moved = nbytes(sets[0])
+        for b in backends:
+            if op not in dispatch.ops_of(b):
+                continue
+            call = (lambda a, b=b, fn=fn: fn(**a, backend=b))
+            try:
+                if b != "reference":
+                    n = graph_calls if T <= 64 else 20
+                    sec, how = time_graph(call, sets, n), f"graph x{n}"
+                else:
+                    sec, how = time_calls(call, sets), "events"
+            except Exception as e:  # report, keep benchmarking the rest
+                log(f"  {label} {b}: failed: {type(e).__name__}: {e}")
+                continue
+            gbs = moved / sec / 1e9
+            rows.append(dict(op=label, tokens=T, heads=heads if op == "rope_rotate_quant" else None, backend=b,
+                             us=sec * 1e6, gb_s=gbs, pct_copy=100 * gbs / bw, bytes=moved, timing=how))
     scorer_rows = []
     if "triton" in backends:
         try:
@@ -171,11 +238,14 @@ def main(argv=None):
     p.add_argument("--backends", default=None, help="comma list (default: every available GPU backend)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
+    p.add_argument("--no-v4", action="store_true",
+                   help="skip the DeepSeek-V4 rows (compress_kv decode/prefill, rope_rotate_quant T=8192 H=64)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA/ROCm GPU (none found); nothing to time")
         return
-    res = run(tuple(int(t) for t in a.tokens.split(",")), a.heads, a.backends.split(",") if a.backends else None)
+    res = run(tuple(int(t) for t in a.tokens.split(",")), a.heads, a.backends.split(",") if a.backends else None,
+              v4=not a.no_v4)
     table = format_table(res)
     print(table)
     if a.json:

@@ -177,3 +177,134 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     m = torch.isfinite(a) & torch.isfinite(b)
     a, b = a[m].double(), b[m].double()
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+# ---- DeepSeek-V4 ops (SPEC §7.6, §7.7) ------------------------------------------------------------------
+def compress_boundaries(starts, lens, ratio: int):
+    """[(token index i, sequence b, position p)] of the boundary tokens ((p+1) % ratio == 0) of one call."""
+    out, i = [], 0
+    for b, (st, ln) in enumerate(zip(starts, lens)):
+        out += [(i + j, b, st + j) for j in range(ln) if (st + j + 1) % ratio == 0]
+        i += ln
+    return out
+
+
+def make_compress_kv(starts=(0,), lens=(64,), ratio=4, overlap=None, D=128, device="cpu", seed=0,
+                     dtype=torch.bfloat16, quant_mode="none", layout="packed68", scale_rule="recip", rounding="rne",
+                     scale_fmt="ue8m0", fp8_flavour="e4m3fn", fp8_cache_dtype=torch.uint8, preshuffle=False,
+                     hadamard=False, bf16_after=("pool", "norm", "rope"), update_state=True, page_size=None,
+                     scale=1.0, score_scale=1.0, ring_extra=3, cs_dtype=torch.bfloat16, use_freqs=False,
+                     nw_dtype=torch.float32, max_pos=4096, negatives=True, extra_pages=1):
+    """Keyword arguments of dsaquant.compress_kv (SPEC §7.6) for sequences b starting at position starts[b] with
+    lens[b] tokens in this call (one after another in kv/score).
+
+    The ring [B+1, K+ring_extra, C] holds random fp32 values everywhere (the rows before each start are what a
+    previous call would have left; others are never read), state_slot is a random permutation. Boundary tokens
+    get distinct random slots of the poisoned cache (about 1/8 negative when `negatives`: no store); the other
+    tokens get junk slot ids past the capacity (never read). Cache layout by quant_mode/layout: bf16
+    [NB, P, D] ("none", "fp4_sim"), u8 [NB, P*68] (fp4 packed68), u8 [NB, 1, 4, 64, 16] + [NB, 1, 4, 64]
+    (fp4 aiter_fp4), `fp8_cache_dtype` [NB, P*132] (fp8). P defaults to 64 for aiter_fp4, 16 otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    overlap = (ratio == 4) if overlap is None else overlap
+    C, K = D * (2 if overlap else 1), ratio * (2 if overlap else 1)
+    B, T = len(starts), sum(lens)
+    kv = (torch.randn(T, C, generator=g) * scale).to(dtype).to(device)
+    score = (torch.randn(T, C, generator=g) * score_scale).to(dtype).to(device)
+    n_ring, R = B + 1, K + ring_extra
+    bnd = compress_boundaries(starts, lens, ratio)
+    aiter = quant_mode == "fp4" and layout == "aiter_fp4"
+    P = page_size or (64 if aiter else 16)
+    NB = max(1, math.ceil(max(len(bnd), 1) / P) + extra_pages)
+    cap = NB * P
+    out_slots = cap + torch.randint(0, 1 << 40, (T,), generator=g)          # junk: read only at boundaries
+    perm = torch.randperm(cap, generator=g)
+    neg = torch.rand(len(bnd), generator=g) < (0.125 if negatives else 0.0)
+    for n, (i, _, _) in enumerate(bnd):
+        out_slots[i] = -1 - n if neg[n] else perm[n]
+    cache_scale = None
+    if quant_mode in ("none", "fp4_sim"):
+        cache = poisoned((NB, P, D), torch.bfloat16, device)
+    elif aiter:
+        cache = poisoned((NB, 1, 4, P, 16), torch.uint8, device)
+        cache_scale = poisoned((NB, 1, 4, P), torch.uint8, device)
+    elif quant_mode == "fp4":
+        cache = poisoned((NB, P * 68), torch.uint8, device)
+    else:
+        cache = poisoned((NB, P * 132), fp8_cache_dtype, device)
+    cos, sin, freqs = rope_tables(max_pos, device, cs_dtype)
+    a = dict(kv=kv, score=score, ape=(torch.randn(ratio, C, generator=g) * 0.5).to(device),
+             state_kv=(torch.randn(n_ring, R, C, generator=g) * scale).to(device),
+             state_score=(torch.randn(n_ring, R, C, generator=g) * score_scale).to(device),
+             state_slot=torch.randperm(n_ring, generator=g)[:B].to(torch.int32).to(device),
+             cu_seqlens=torch.tensor([0] + [sum(lens[:b + 1]) for b in range(B)], dtype=torch.int32, device=device),
+             start_pos=torch.tensor(list(starts), dtype=torch.int64, device=device),
+             norm_weight=(1 + 0.1 * torch.randn(D, generator=g)).to(nw_dtype).to(device), epsilon=1e-6,
+             cos_cache=None if use_freqs else cos, sin_cache=None if use_freqs else sin,
+             out_slots=out_slots.to(device), cache=cache, cache_scale=cache_scale, ratio=ratio, overlap=overlap,
+             quant_mode=quant_mode, hadamard=hadamard, bf16_after=tuple(bf16_after), update_state=update_state,
+             freqs=freqs if use_freqs else None)
+    if quant_mode == "fp4":
+        a.update(layout=layout, scale_rule=scale_rule, rounding=rounding)
+    elif quant_mode == "fp4_sim":
+        a.update(scale_rule=scale_rule)
+    elif quant_mode == "fp8":
+        a.update(scale_fmt=scale_fmt, preshuffle=preshuffle)
+        if fp8_cache_dtype == torch.uint8:
+            a.update(fp8_flavour=fp8_flavour)
+    return a
+
+
+def make_rope_rotate_quant(T=8, H=16, D=128, out="fp4", device="cpu", seed=0, dtype=torch.bfloat16,
+                           cs_dtype=None, group_size=None, shuffle_scale=True, hadamard=True, rounding="hardware",
+                           max_pos=4096, scale=2.0, pos_dtype=torch.int64):
+    """Keyword arguments of dsaquant.rope_rotate_quant (SPEC §7.7). out: "fp4" (uint8 [T, H, D/2]), "fp4x2"
+    (float4_e2m1fn_x2), "e4m3fn" / "e4m3fnuz" (float8 [T, H, D]) or "half" (x's dtype [T, H, D]), poisoned;
+    out_scale poisoned in the layout the output needs (shuffled needs H % 16 == 0)."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin, _ = rope_tables(max_pos, device, cs_dtype or dtype)
+    x = (torch.randn(T, H, D, generator=g) * scale).to(dtype).to(device)
+    a = dict(x=x, cos_cache=cos, sin_cache=sin,
+             positions=torch.randint(0, max_pos, (T,), generator=g).to(pos_dtype).to(device),
+             shuffle_scale=shuffle_scale, hadamard=hadamard, rounding=rounding)
+    if group_size is not None:
+        a["group_size"] = group_size
+    if out in ("fp4", "fp4x2"):
+        o = poisoned((T, H, D // 2), torch.uint8, device)
+        a["out"] = o.view(torch.float4_e2m1fn_x2) if out == "fp4x2" else o
+        a["out_scale"] = (poisoned((T, D // 128, 4, 16, aiter_q_scale_pad(H)), torch.uint8, device) if shuffle_scale
+                          else poisoned((T, H, D // (group_size or 32)), torch.uint8, device))
+    elif out in ("e4m3fn", "e4m3fnuz"):
+        a["out"] = poisoned((T, H, D), getattr(torch, f"float8_{out}"), device)
+        a["out_scale"] = poisoned((T, H, D // (group_size or 128)), torch.float32, device)
+    else:
+        a["out"] = poisoned((T, H, D), dtype, device)
+    return a
+
+
+def compress_special_values(a: dict, n0: int) -> dict:
+    """make_compress_kv arguments with special values (SPEC §7.6 pool edge cases): in the first n0 tokens
+    (sequence 0) a NaN, a +Inf and a -Inf score, an infinite and a NaN value and a column of -inf scores
+    (windows inside those inputs pool to NaN, so these rows come out NaN); in the other tokens a single -inf
+    score with a finite value (weight 0), scores spread by 1e4 (exp_ds underflows to subnormals and zero),
+    a column of +Inf values and a NaN value next to a -inf score; tiny values in one column everywhere; -inf
+    and NaN scores in ring columns."""
+    kv, sc = a["kv"].float().clone(), a["score"].float().clone()
+    T = kv.shape[0]
+    if n0 >= 4:
+        sc[0, 3] = float("nan")
+        sc[1, 5] = float("inf")
+        sc[2, 7] = float("-inf")
+        kv[2, 7] = float("inf")
+        sc[:n0, 9] = float("-inf")
+        kv[3, 13] = float("nan")
+    if T > n0 + 1:
+        sc[n0 + 1, 17] = float("-inf")
+        sc[n0:, 19] = sc[n0:, 19] * 1e4
+        kv[n0:, 21] = float("inf")
+        sc[T - 1, 23] = float("-inf")
+        kv[T - 1, 23] = float("nan")
+    kv[:, 25] = kv[:, 25] * 1e-38
+    ss = a["state_score"].clone()
+    ss[:, :, 27] = float("-inf")
+    ss[:, 1, 29] = float("nan")
+    return dict(a, kv=kv.to(a["kv"].dtype), score=sc.to(a["score"].dtype), state_score=ss)

@@ -149,6 +149,16 @@ def _demo_logits(H, T, queries, backend_scorer):
             ref = ops.paged_mqa_logits(backend="reference", **common)
             tri = ops.paged_mqa_logits(backend=backend_scorer, **common)
             yield layout, ref, tri, truth
+            if layout == "fp8_132" and backend_scorer == "triton":
+                # the same bytes through the scorer's fp32 dot (no FP8 tensor-core MMA): the reference's math
+                from dsaquant.triton import scorer as S
+                exact = S.paged_mqa_logits(q, a["kv_cache"], a["weights_out"][rows], ctx, tables, T, layout, None,
+                                           None, 1.0, a["preshuffle"], "e4m3fn", 64, fp8_dot=False)
+                yield "fp8_132 (fp32 dot)", ref, exact.view_as(ref), truth
+
+
+def S_native_fp8() -> bool:
+    return _scorer().native_fp8_for(DEV, "e4m3fn")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -162,8 +172,12 @@ def test_writer_to_scorer_topk(shape):
         for k in (512, 2048):
             same = tt.topk_overlap(tri, ref, k)
             t_truth, r_truth = tt.topk_overlap(tri, truth, k), tt.topk_overlap(ref, truth, k)
-            line.append(f"top{k}: triton~reference {same:.4f}, triton~bf16 {t_truth:.4f}, reference~bf16 {r_truth:.4f}")
-            assert same >= 0.99, f"{layout} top-{k} overlap with the reference scorer {same:.4f}"
+            line.append(f"top{k}: triton~reference {same:.6f}, triton~bf16 {t_truth:.4f}, reference~bf16 {r_truth:.4f}")
+            # the same bytes give the same top-k: exactly, except through FP8 tensor-core MMAs (sm_89+),
+            # whose fp32 accumulation order is the hardware's: logits within ~1e-4 relative, so a near-tie
+            # can swap one index at the k-th place
+            need = 0.999 if layout == "fp8_132" and S_native_fp8() else 1.0
+            assert same >= need, f"{layout} top-{k} overlap with the reference scorer {same:.6f}"
             assert abs(t_truth - r_truth) <= 0.01
         c_t, c_r = tt.cosine(tri, truth), tt.cosine(ref, truth)
         line.append(f"cosine vs bf16: triton {c_t:.6f}, reference {c_r:.6f}; "

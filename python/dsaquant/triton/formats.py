@@ -544,3 +544,177 @@ def fp8_encode_scaled(x, inv, BIAS: tl.constexpr, FMAX: tl.constexpr, FNUZ: tl.c
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         return fp8_encode(y, BIAS, FMAX, FNUZ, True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# rows of any power-of-two width (SPEC §0.2, §0.7, §5), used by the §7.6/§7.7 kernels (compress.py,
+# rope_rotate.py), whose rows are 128..1024 wide: one [R, N] tile instead of four [R, 32] tiles
+# ---------------------------------------------------------------------------------------------------
+EXP_LOG2E: tl.constexpr = tl.constexpr(_f32(0x3FB8AA3B))      # §0.7 fl(log2 e)
+EXP_LN2_HI: tl.constexpr = tl.constexpr(_f32(0x3F317200))     # ln 2, head (15 significant bits)
+EXP_LN2_LO: tl.constexpr = tl.constexpr(_f32(0x35BFBE8E))     # ln 2, tail
+EXP_C7: tl.constexpr = tl.constexpr(_f32(0x39500D01))         # 1/7!
+EXP_C6: tl.constexpr = tl.constexpr(_f32(0x3AB60B61))         # 1/6!
+EXP_C5: tl.constexpr = tl.constexpr(_f32(0x3C088889))         # 1/5!
+EXP_C4: tl.constexpr = tl.constexpr(_f32(0x3D2AAAAB))         # 1/4!
+EXP_C3: tl.constexpr = tl.constexpr(_f32(0x3E2AAAAB))         # 1/3!
+EXP_C2: tl.constexpr = tl.constexpr(_f32(0x3F000000))         # 1/2!
+EXP_C1: tl.constexpr = tl.constexpr(_f32(0x3F800000))         # 1/1!
+TWO_23: tl.constexpr = tl.constexpr(8388608.0)
+TWO_M64: tl.constexpr = tl.constexpr(2.0 ** -64)               # pow2(63), §0.7 subnormal step
+
+
+@triton.jit
+def rint_f32(v):
+    """Round half to even to an integer (fp32 in, fp32 out), without libdevice (the interpreter has no
+    rint): |v| < 2^23 is rounded by adding and subtracting 2^23 (the sum lies in [2^23, 2^24), where the
+    fp32 quantum is 1 and the addition rounds half to even; 2^23 is even, so ties go to the even
+    integer); larger |v| (and NaN, ±Inf) are integers already. The sign of a zero result may differ from
+    C rint; exp_ds never lets it matter."""
+    a = tl.abs(v)
+    r = (a + TWO_23) - TWO_23
+    r = tl.where(v < 0, 0.0 - r, r)
+    return tl.where(a < TWO_23, r, v)
+
+
+@triton.jit
+def exp_ds(x):
+    """SPEC §0.7 exp_ds, the one exponential of format math (fp32, defined for x <= 0), step by step:
+    n = rint(fl(x * log2e)); r = fl(fl(x - fl(n*LN2_HI)) - fl(n*LN2_LO)); a = 1/7!, then a = fl(c + fl(r*a))
+    for c = 1/6! .. 1/1!; p = fl(1 + fl(r*a)); 2^n applied from bits (one rounding into the subnormals).
+    NaN gives the NaN x itself, -Inf gives +0, n < -151 gives +0 (as the reference arith.exp_ds)."""
+    inf = (x == FLT_INF) | (x == -FLT_INF)
+    xs = tl.where(inf, 0.0, x)
+    n = rint_f32(xs * EXP_LOG2E)
+    r = (xs - n * EXP_LN2_HI) - n * EXP_LN2_LO
+    a = tl.full(x.shape, EXP_C7, tl.float32)
+    a = EXP_C6 + r * a
+    a = EXP_C5 + r * a
+    a = EXP_C4 + r * a
+    a = EXP_C3 + r * a
+    a = EXP_C2 + r * a
+    a = EXP_C1 + r * a
+    p = 1.0 + r * a
+    nc = tl.where(n != n, 0.0, n)                        # NaN x: any n (the result is x)
+    nc = tl.minimum(tl.maximum(nc, -200.0), 200.0)
+    ni = nc.to(tl.int32)
+    normal = p * pow2(tl.minimum(tl.maximum(ni + 127, 1), 254))
+    sub = (p * pow2(tl.minimum(tl.maximum(ni + 191, 1), 254))) * TWO_M64
+    y = tl.where(ni >= -126, normal, sub)
+    y = tl.where(ni < -151, 0.0, y)
+    y = tl.where(x == -FLT_INF, 0.0, y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def butterfly_row(p, R: tl.constexpr, M: tl.constexpr):
+    """SPEC §0.2 butterfly of [R, M] partials (M a power of two <= 256) -> [R]: for s = M/2, ..., 1:
+    p[i] = p[i] + p[i ^ s]; the result is p[0] (each level keeps the lower half, `halve`)."""
+    if M >= 2:
+        p = halve(p, R, M)
+    if M >= 4:
+        p = halve(p, R, M // 2)
+    if M >= 8:
+        p = halve(p, R, M // 4)
+    if M >= 16:
+        p = halve(p, R, M // 8)
+    if M >= 32:
+        p = halve(p, R, M // 16)
+    if M >= 64:
+        p = halve(p, R, M // 32)
+    if M >= 128:
+        p = halve(p, R, M // 64)
+    if M >= 256:
+        p = halve(p, R, M // 128)
+    return tl.reshape(p, (R,))
+
+
+@triton.jit
+def canonical_sum_row(x, R: tl.constexpr, N: tl.constexpr):
+    """SPEC §0.2 canonical sum of each row of x [R, N] (N = 4*2^j, 4..1024) -> [R]: partials
+    ((x[4i] + x[4i+1]) + x[4i+2]) + x[4i+3], then the butterfly (equals canonical_sum4 for N = 128)."""
+    ev, od = tl.split(tl.reshape(x, (R, N // 4, 2, 2)))   # [R, N/4, 2]: (x[4i], x[4i+2]), (x[4i+1], x[4i+3])
+    e0, e2 = tl.split(ev)
+    e1, e3 = tl.split(od)
+    return butterfly_row(((e0 + e1) + e2) + e3, R, N // 4)
+
+
+@triton.jit
+def rms_norm_row(x, w, eps, R: tl.constexpr, N: tl.constexpr):
+    """SPEC §5 RMSNorm of rows x [R, N] with weight w (fp32, broadcastable to [R, N]): inv = fl(1 / fl(sqrt(
+    fl(S(x*x) / N) + eps))), y = fl(w * fl(x * inv)); S the canonical sum, / N exact (a power of two). Not
+    rounded."""
+    inv = inv_sqrt(canonical_sum_row(x * x, R, N) * (1.0 / N) + eps)[:, None]
+    return w * (x * inv)
+
+
+@triton.jit
+def rope_tail_row(x, c, s, R: tl.constexpr, N: tl.constexpr):
+    """SPEC §5 RoPE with interleaved pairs (N-64+2j, N-64+2j+1) and cos/sin index j on the last 64 dims of
+    rows x [R, N] (N >= 128); c, s [R, 32] fp32. Not rounded. The other dims pass through unchanged (the
+    rotation is computed for every 64-dim chunk and selected for the last one: no slicing in Triton)."""
+    a, b = tl.split(tl.reshape(x, (R, N // 64, 32, 2)))    # [R, N/64, 32]
+    cc = c[:, None, :]
+    ss = s[:, None, :]
+    a2, b2 = rope_pair(a, b, cc, ss)
+    tail = (tl.arange(0, N // 64) == N // 64 - 1)[None, :, None]
+    return tl.reshape(tl.join(tl.where(tail, a2, a), tl.where(tail, b2, b)), (R, N))
+
+
+@triton.jit
+def hadamard_level_row(x, R: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """One Sylvester level with stride H on rows x [R, N]: (a, b) at (i, i+H), bit H of i clear ->
+    (a+b, a-b)."""
+    y = tl.permute(tl.reshape(x, (R, N // (2 * H), 2, H)), (0, 1, 3, 2))    # [R, G, H, 2]
+    a, b = tl.split(y)
+    z = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))                      # [R, G, 2, H]
+    return tl.reshape(z, (R, N))
+
+
+@triton.jit
+def hadamard_row(x, R: tl.constexpr, N: tl.constexpr, SCALE: tl.constexpr):
+    """SPEC §5 Hadamard over rows x [R, N] (N a power of two, 128..1024), Sylvester order (h = 1, 2, ...,
+    N/2), then times SCALE = fl(N^-0.5) (fl(128^-0.5) = 0x3DB504F3 for N = 128)."""
+    x = hadamard_level_row(x, R, N, 1)
+    if N >= 4:
+        x = hadamard_level_row(x, R, N, 2)
+    if N >= 8:
+        x = hadamard_level_row(x, R, N, 4)
+    if N >= 16:
+        x = hadamard_level_row(x, R, N, 8)
+    if N >= 32:
+        x = hadamard_level_row(x, R, N, 16)
+    if N >= 64:
+        x = hadamard_level_row(x, R, N, 32)
+    if N >= 128:
+        x = hadamard_level_row(x, R, N, 64)
+    if N >= 256:
+        x = hadamard_level_row(x, R, N, 128)
+    if N >= 512:
+        x = hadamard_level_row(x, R, N, 256)
+    if N >= 1024:
+        x = hadamard_level_row(x, R, N, 512)
+    return x * SCALE
+
+
+@triton.jit
+def pack_nibbles_row(codes, R: tl.constexpr, N: tl.constexpr):
+    """[R, N] codes (int32, low 4 bits) -> [R, N/2] bytes (uint8): element 2i low nibble, 2i+1 high."""
+    lo, hi = tl.split(tl.reshape(codes, (R, N // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def fp8_group_quant(x, FLOOR: tl.constexpr, ue8m0, BIAS: tl.constexpr, FMAX: tl.constexpr, FNUZ: tl.constexpr,
+                    HW: tl.constexpr, NATIVE: tl.constexpr):
+    """SPEC §4 scale and codes of groups x [N, G] (fp32, any NaN counts as the canonical NaN):
+    s = fl(max(amax, FLOOR) / FMAX) (true division), rounded up to pow2(ceil_exp(s)) when ue8m0 != 0; codes
+    encode(x * fl(1/s)) (int32 [N, G]) and s [N]. FLOOR = 1e-4f for the k rule (§7.6 FP8), 1e-10f for §7.7
+    (which passes ue8m0 = 0: fp32 scales)."""
+    amax = amax_tile(x, NATIVE)
+    a = tl.where(amax < FLOOR, FLOOR, amax)
+    s = tl.math.div_rn(a, tl.full(a.shape, FMAX, tl.float32))
+    if ue8m0 != 0:
+        s = pow2(ceil_exp(s))
+    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return fp8_encode_scaled(x, inv[:, None], BIAS, FMAX, FNUZ, HW), s
