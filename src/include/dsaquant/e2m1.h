@@ -24,15 +24,14 @@ enum class Rounding : int { threshold = 0, rne = 1, hardware = 2 };
 // threshold takes back the one tie that went up (0.75 -> 1.0). tests/test_header_host.py checks
 // this against the reference (every bf16 value at every exponent, and an fp32 sweep).
 DSQ_HD uint8_t e2m1_encode(float v, Rounding r) {
+  // Both ranges are computed and one is selected (no branch: lanes of a warp hold values of both).
   const float a = abs_f(v);
   const float c = fmin_nn(a, 6.0f);   // NaN -> 6 (platform.h: the non-NaN operand)
   const uint32_t b = f2u(c);
   const bool even_up = r != Rounding::threshold;
-  uint32_t m;
-  if (c < 1.0f)
-    m = f2u(fadd(c, 4194304.0f)) - 0x4A800000u - (!even_up && c == 0.75f ? 1u : 0u);
-  else
-    m = ((b + 0x1FFFFFu + (even_up ? (b >> 22) & 1u : 0u)) >> 22) - 252u;
+  const uint32_t m_sub = f2u(fadd(c, 4194304.0f)) - 0x4A800000u - static_cast<uint32_t>(!even_up && c == 0.75f);
+  const uint32_t m_norm = ((b + 0x1FFFFFu + (even_up ? (b >> 22) & 1u : 0u)) >> 22) - 252u;
+  const uint32_t m = c < 1.0f ? m_sub : m_norm;
   const bool neg = r == Rounding::hardware ? sign_bit(v) : (v < 0.0f && m != 0u);
   return static_cast<uint8_t>((neg ? 8u : 0u) | m);
 }
@@ -59,8 +58,8 @@ DSQ_HD uint8_t e2m1_nan_scale_code(float x, Rounding r) {
 // SPEC §3 + §2: code of x in a block with biased exponent e (1..255): v = x / 2^(e-127), one
 // correctly rounded division (exact unless v is subnormal, where every policy gives m = 0).
 DSQ_HD uint8_t e2m1_encode_scaled(float x, int e, Rounding r) {
-  if (e == 255) return e2m1_nan_scale_code(x, r);
-  return e2m1_encode(fmul(x, inv_pow2(e)), r);   // = fl(x / 2^(e-127)), arith.h inv_pow2
+  const uint8_t code = e2m1_encode(fmul(x, inv_pow2(e)), r);   // = fl(x / 2^(e-127)), arith.h inv_pow2
+  return e == 255 ? e2m1_nan_scale_code(x, r) : code;          // (a select, not a branch)
 }
 
 // Two consecutive elements (2i, 2i+1) of a block with exponent e -> one packed byte.
