@@ -19,5 +19,40 @@ for T in (1, 37, 300):
     dq.rope_fake_quant_fp4(a["q"], a["positions"], a["freqs"], 16, "e4m3", backend=backend)
     for layout in ("aiter_fp4", "dense"):
         dq.rmsnorm_rope_rotate_fp4quant_kvcache(**tt.make_v4_k(T=T, device=dev, layout=layout), backend=backend)
+
+
+def v4_compress(ratio, mode, starts, lens, D=128, P=64):
+    """SPEC §7.6 arguments: ragged sequences (a prefill from 0, a chunk, a decode token) over a ring of R = K + 2."""
+    g = torch.Generator().manual_seed(ratio)
+    K = 2 * ratio if ratio == 4 else ratio
+    C, T, R = (2 * D if ratio == 4 else D), sum(lens), K + 2
+    kv, score = (torch.randn(T, C, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    ring_kv, ring_sc = (torch.randn(len(lens) + 1, R, C, generator=g).to(dev) for _ in range(2))
+    cos, sin, _ = tt.rope_tables(4096, dev)
+    NB = T // P + 2
+    cache = tt.poisoned((NB, P * (68 if mode == "fp4" else 132)), torch.uint8, dev)
+    out_slots = torch.randperm(NB * P, generator=g)[:T].to(dev)
+    return dict(kv=kv, score=score, ape=torch.randn(ratio, C, generator=g).to(dev), state_kv=ring_kv, state_score=ring_sc,
+                state_slot=torch.arange(len(lens), dtype=torch.int32, device=dev),
+                cu_seqlens=torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32,
+                                        device=dev),
+                start_pos=torch.tensor(starts, dtype=torch.int64, device=dev),
+                norm_weight=torch.ones(D, device=dev), epsilon=1e-6, cos_cache=cos, sin_cache=sin, out_slots=out_slots,
+                cache=cache, ratio=ratio, quant_mode=mode)
+
+
+# SPEC §7.6 compress_kv (ratio 4 with overlap into FP4 packed68, ratio 128 into FP8) and §7.7 rope_rotate_quant.
+dq.compress_kv(**v4_compress(4, "fp4", (0, 37, 9), (300, 5, 1)), backend=backend)
+dq.compress_kv(**v4_compress(128, "fp8", (0, 100), (300, 60)), preshuffle=True, backend=backend)
+for T in (1, 37):
+    x = torch.randn(T, 16, 128, device=dev, dtype=torch.bfloat16)
+    cos, sin, _ = tt.rope_tables(4096, dev)
+    pos = torch.arange(T, device=dev)
+    q_scale = torch.empty(T, 1, 4, 16, 4, dtype=torch.uint8, device=dev)
+    dq.rope_rotate_quant(torch.empty(T, 16, 64, dtype=torch.uint8, device=dev), x, cos, sin, pos, out_scale=q_scale,
+                         backend=backend)
+    dq.rope_rotate_quant(torch.empty(T, 16, 128, dtype=torch.float8_e4m3fn, device=dev), x, cos, sin, pos,
+                         out_scale=torch.empty(T, 16, 1, device=dev), backend=backend)
+    dq.rope_rotate_quant(x, x, cos, sin, pos, backend=backend)
 torch.cuda.synchronize()
 print(f"sanitize cases done on backend {backend}")

@@ -2,7 +2,7 @@
 //
 // Each launcher takes a dict of plain Python ints/floats/bools (pointers as ints, strides in
 // elements, dtype codes of kernels/cuda/row16.cuh) and the stream handle, fills the kernel's argument
-// struct (kernels/cuda/indexer.h) and launches. Built as dsaquant._cuda (CUDA) or dsaquant._hip (the
+// struct (kernels/cuda/indexer.h; the DeepSeek-V4 ops: kernels/cuda/v4_args.h) and launches. Built as dsaquant._cuda (CUDA) or dsaquant._hip (the
 // hipified sources). A launch error raises RuntimeError naming the CUDA/HIP error.
 #include <pybind11/pybind11.h>
 
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "indexer.h"
+#include "v4.h"
 
 namespace py = pybind11;
 
@@ -104,6 +105,23 @@ void qpack(const py::dict& d, uint64_t stream) {
   check(dsq_qpack_launch(a, stream_of(stream)), "q pack");
 }
 
+// Key-value source for the fillers of kernels/cuda/v4_args.h (one definition of the V4 ops' keys).
+struct DictSrc {
+  const py::dict& d;
+  int64_t i64(const char* k) const { return get<int64_t>(d, k); }
+  double f64(const char* k) const { return get<double>(d, k); }
+  bool flag(const char* k) const { return get<bool>(d, k); }
+  void* ptr(const char* k) const { return ::ptr<void>(d, k); }
+};
+
+void compress_kv(const py::dict& d, uint64_t stream) {
+  check(dsq_compress_kv_launch(dsqv4::compress_args_from(DictSrc{d}), stream_of(stream)), "compress_kv");
+}
+
+void rope_rotate_quant(const py::dict& d, uint64_t stream) {
+  check(dsq_rope_rotate_launch(dsqv4::rotate_args_from(DictSrc{d}), stream_of(stream)), "rope_rotate_quant");
+}
+
 void fp8_selfcheck(uint64_t start, uint64_t count, uint64_t out, uint64_t stream) {
   check(dsq_fp8_selfcheck_launch(start, count, reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(out)),
                                  stream_of(stream)),
@@ -121,6 +139,8 @@ PYBIND11_MODULE(DSQ_MODULE_NAME, m) {
   m.def("indexer", &indexer, "SPEC §7.1", py::arg("args"), py::arg("stream"));
   m.def("kstore", &kstore, "SPEC §7.2 k writer and §7.3", py::arg("args"), py::arg("stream"));
   m.def("qpack", &qpack, "SPEC §7.2 q packer and rope_fake_quant_fp4", py::arg("args"), py::arg("stream"));
+  m.def("compress_kv", &compress_kv, "SPEC §7.6 (the DeepSeek-V4 compressor)", py::arg("args"), py::arg("stream"));
+  m.def("rope_rotate_quant", &rope_rotate_quant, "SPEC §7.7", py::arg("args"), py::arg("stream"));
   m.def("fp8_selfcheck", &fp8_selfcheck, "hardware vs software e4m3fn encoder over fp32 patterns [start, start+count)",
         py::arg("start"), py::arg("count"), py::arg("out_ptr"), py::arg("stream"));
 }

@@ -30,13 +30,13 @@ def test_links_no_torch_and_no_shared_cudart():
 
 def test_imports_and_registers_every_writer():
     import dsaquant._cuda as m
-    for name in ("indexer", "kstore", "qpack", "fp8_selfcheck"):
+    for name in ("indexer", "kstore", "qpack", "fp8_selfcheck", "compress_kv", "rope_rotate_quant"):
         assert callable(getattr(m, name))
     ok, why = dispatch.available("cuda")
     assert ok, why
     assert set(dispatch.ops_of("cuda")) >= {"indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store",
                                             "index_q_rope_pack_weights", "rope_fake_quant_fp4",
-                                            "rmsnorm_rope_rotate_fp4quant_kvcache"}
+                                            "rmsnorm_rope_rotate_fp4quant_kvcache", "compress_kv", "rope_rotate_quant"}
 
 
 def test_module_has_sm90a_and_sm100a_code():

@@ -50,6 +50,7 @@ REVIEWED_RENAMES = {
     "cudaError_t": "hipError_t",
     "cudaGetLastError": "hipGetLastError",
     "cudaGetErrorString": "hipGetErrorString",
+    "cudaErrorInvalidValue": "hipErrorInvalidValue",   # kernels/cuda/v4.cu: a K or D without a kernel (both 1)
     "__shfl_xor_sync": "dsq_shfl_xor_sync",   # kernels/hip/hipify_extra.map -> platform_hip.h
     "__shfl_sync": "dsq_shfl_sync",
     "__shfl_up_sync": "dsq_shfl_up_sync",
@@ -174,7 +175,8 @@ def rows(dev):
 
 @needs_toolchain
 def test_every_tu_compiles_for_every_arch_without_warnings(dev):
-    assert sorted(dev.asm) == sorted((a, t) for a in ARCHS for t in ("fp4_selfcheck", "indexer", "selfcheck", "sglang"))
+    assert sorted(dev.asm) == sorted((a, t) for a in ARCHS for t in ("fp4_selfcheck", "indexer", "selfcheck", "sglang",
+                                                                     "v4"))
     for s in dev.asm.values():
         assert s.stat().st_size > 0
     warnings = (dev.out / "warnings.txt").read_text()
@@ -231,8 +233,12 @@ def test_no_scratch_spills_or_calls(rows):
     bad = [b for b in bh.check_isa(rows)]
     assert not bad, "\n".join(bad)
     assert all(r["scratch"] == 0 and r["scratch_comment"] == 0 for r in rows)
-    assert all(r["sgpr_spill"] == 0 and r["vgpr_spill"] == 0 for r in rows)
-    assert all(r["lds"] == 0 for r in rows)   # the kernels keep everything in registers and shuffles
+    assert all(r["vgpr_spill"] == 0 for r in rows)
+    assert all(r["sgpr_spill"] == 0 for r in rows if not r["label"].startswith(bh.SGPR_SPILL_OK))   # (to VGPR lanes)
+    # The kernels keep everything in registers and shuffles, except compress_kv (kernels/cuda/v4_body.cuh
+    # CompressSmem: the pooled row passes from the block's pool to warp 0's finish through 2 KB of LDS).
+    assert all(r["lds"] == 0 for r in rows if not r["label"].startswith("compress_kv"))
+    assert all(0 < r["lds"] <= 2048 for r in rows if r["label"].startswith("compress_kv"))
 
 
 @needs_toolchain

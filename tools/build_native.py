@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_SOURCES = ["src/bindings.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu"]
+CUDA_SOURCES = ["src/bindings.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu",
+                "kernels/cuda/v4.cu"]
 
 
 def find_nvcc() -> str | None:

@@ -241,6 +241,35 @@ PYBIND11_MODULE(dsq_header_host, m) {
   });
   m.def("hadamard_scale", [](int n) { return dsq::hadamard_scale(n); });
 
+  // ---- SPEC §7.6 pool, §7.7 FP8 group scale ----
+  // sig, kv [N, K] fp32, incl [N, K] bool -> y [N] (pool_window<K>, K in 4, 8, 128, 256).
+  m.def("pool_window", [](const arr<float>& sig, const arr<float>& kv, const arr<bool>& incl) {
+    need(sig.ndim() == 2 && kv.ndim() == 2 && incl.ndim() == 2 && kv.shape(0) == sig.shape(0) &&
+         incl.shape(0) == sig.shape(0) && kv.shape(1) == sig.shape(1) && incl.shape(1) == sig.shape(1),
+         "sig, kv, incl [N, K]");
+    const py::ssize_t N = sig.shape(0), K = sig.shape(1);
+    auto out = like<float>(N);
+    for (py::ssize_t r = 0; r < N; ++r) {
+      const float* s = sig.data() + r * K;
+      const float* k = kv.data() + r * K;
+      const bool* in = incl.data() + r * K;
+      float y;
+      switch (K) {
+        case 4: y = dsq::pool_window<4>(s, k, in); break;
+        case 8: y = dsq::pool_window<8>(s, k, in); break;
+        case 128: y = dsq::pool_window<128>(s, k, in); break;
+        case 256: y = dsq::pool_window<256>(s, k, in); break;
+        default: throw std::invalid_argument("K in 4, 8, 128, 256");
+      }
+      out.mutable_data()[r] = y;
+    }
+    return out;
+  });
+  m.def("fp8_group_scale", [](const arr<float>& amax, int f) {
+    const auto fl = flavour(f);
+    return map1<float>(amax, [fl](float a) { return dsq::fp8_group_scale(a, fl); });
+  });
+
   // ---- layouts (SPEC §6): elementwise over broadcast-free int64 arrays of equal size ----
   auto off3 = [](int64_t (*fn)(int64_t, int64_t, int64_t)) {
     return [fn](const arr<int64_t>& t, int64_t P, const arr<int64_t>& k) {

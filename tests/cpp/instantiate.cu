@@ -59,7 +59,21 @@ extern "C" __global__ void scalar_kernel(const float* x, float* f, uint32_t* u, 
   rope_pair(a, b, 0.5f, 0.25f);
   f[k++] = a + b + static_cast<float>(rope_dim_a(i & 31, true, false) + rope_dim_b(i & 31, false, true) +
                                       rope_position(i, 4096, 4));
+  // SPEC §7.6 pool pieces, §7.7 FP8 group scale.
+  PoolMax pm = pool_max_init();
+  pool_max_add(pm, -abs_f(v));
+  pool_max_merge(pm, v, false, true);
+  f[k++] = pool_finish(pool_term(pool_exp(-abs_f(v), pm.m), 2.0f, v) + pool_weight(0.5f, 3.0f), pm) +
+           fp8_group_scale(abs_f(v), Fp8Flavour::e4m3fn);
   u[i] = f2u(f[0]);
+}
+
+// SPEC §7.6 step 2: the whole pool of one column in one thread (K = 8).
+extern "C" __global__ void pool_kernel(const float* sig, const float* kv, float* y) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  bool incl[8];
+  for (int k = 0; k < 8; ++k) incl[k] = sig[8 * c + k] > -1e30f;
+  y[c] = pool_window<8>(sig + 8 * c, kv + 8 * c, incl);
 }
 
 // Row helpers: canonical sums (thread-local and across lanes), norms, RoPE, Hadamard, FP8 row.

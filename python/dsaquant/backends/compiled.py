@@ -10,7 +10,8 @@ import torch
 
 from .. import errors
 from ..dispatch import register
-from ..reference.fp4 import POLICIES
+from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
+from ..reference.fp4 import POLICIES, SCALE_RULES
 
 DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4}
 FLAVOUR = {"e4m3fn": 0, "e4m3fnuz": 1}
@@ -42,7 +43,14 @@ def _rope(positions, cos_cache=None, sin_cache=None, freqs=None):
 
 
 def _stream(t: torch.Tensor) -> int:
+    if t.device.type == "cpu":   # only tests/test_v4_host.py's emulated module is ever driven with CPU tensors
+        return 0
     return torch.cuda.current_stream(t.device).cuda_stream
+
+
+# SPEC §7.6 codes of kernels/cuda/v4_args.h (QuantMode, RoundPoint).
+QUANT_MODE = {"none": 0, "fp4": 1, "fp4_sim": 2, "fp8": 3}
+ROUND_POINT = {"pool": 1, "norm": 2, "rope": 4, "hadamard": 8}
 
 
 def make_ops(mod):
@@ -120,9 +128,66 @@ def make_ops(mod):
     def rope_fake_quant_fp4(x, positions, freqs, block, scale, compress_ratio, out):
         _qpack(x, positions, freqs, compress_ratio, 1 if scale == "ue8m0" else 2, fq_out=out)
 
-    return {f.__name__: f for f in (indexer_qk_rope_quant_and_cache, index_k_norm_rope_pack_store,
-                                    index_q_rope_pack_weights, rope_fake_quant_fp4,
-                                    rmsnorm_rope_rotate_fp4quant_kvcache)}
+    def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, start_pos, norm_weight, epsilon,
+                    cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode, layout, scale_rule,
+                    rounding, scale_fmt, fp8_flavour, preshuffle, hadamard_on, bf16_after, freqs, update_state,
+                    page_size):
+        """SPEC §7.6 (signature: reference/compress.py compress_kv): one launch (kernels/cuda/v4.cu)."""
+        T, C = kv.shape
+        D = C // 2 if overlap else C
+        state_slot, cu_seqlens, start_pos, out_slots = (_dense(t) for t in (state_slot, cu_seqlens, start_pos,
+                                                                              out_slots))
+        nw = _dense(norm_weight)
+        rope, keep = _rope(None, cos_cache, sin_cache, freqs)
+        args = dict(
+            T=T, B=state_slot.shape[0], ratio=int(ratio), R=state_kv.shape[1], n_ring=state_kv.shape[0], D=D,
+            K=int(ratio) * (2 if overlap else 1), overlap=bool(overlap),
+            kv=kv.data_ptr(), kv_st=kv.stride(0), score=score.data_ptr(), sc_st=score.stride(0), in_dt=DTYPE[kv.dtype],
+            ape=ape.data_ptr(), ape_st=ape.stride(0),
+            state_kv=state_kv.data_ptr(), skv_s0=state_kv.stride(0), skv_s1=state_kv.stride(1),
+            state_score=state_score.data_ptr(), ssc_s0=state_score.stride(0), ssc_s1=state_score.stride(1),
+            state_slot=state_slot.data_ptr(), cu_seqlens=cu_seqlens.data_ptr(), start_pos=start_pos.data_ptr(),
+            norm_w=nw.data_ptr(), norm_w_dt=DTYPE[nw.dtype], eps=float(epsilon), out_slots=out_slots.data_ptr(),
+            cache=cache.data_ptr(), cache_scale=_p(cache_scale), num_blocks=cache.shape[0], P=int(page_size),
+            quant_mode=QUANT_MODE[quant_mode], aiter_layout=layout == "aiter_fp4",
+            scale_rule=SCALE_RULES.index(scale_rule), rounding=POLICIES.index(rounding), ue8m0=scale_fmt == "ue8m0",
+            flavour=FLAVOUR[fp8_flavour], preshuffle=bool(preshuffle), hadamard=bool(hadamard_on),
+            bf16_after=sum(ROUND_POINT[n] for n in set(bf16_after)), update_state=bool(update_state),
+            err_flag=errors.flag_tensor(kv.device).data_ptr(), **rope)
+        mod.compress_kv(args, _stream(kv))
+        del keep
+
+    def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim, out_scale, group_size, shuffle_scale,
+                          hadamard_on, rounding):
+        """SPEC §7.7 (signature: reference/compress.py rope_rotate_quant): one launch (kernels/cuda/v4.cu)."""
+        T, H, D = x.shape
+        positions = _dense(positions)
+        rope, keep = _rope(positions, cos_cache, sin_cache)
+        target = out
+        if out.dtype in FP4_OUT_DTYPES:
+            kind, flavour = 0, 0
+        elif out.dtype in FP8_OUT_DTYPES:
+            kind, flavour = 1, FLAVOUR[FP8_OUT_DTYPES[out.dtype]]
+        else:
+            kind, flavour = 2, 0
+            if out.stride(-1) != 1:   # the kernel writes rows with unit stride: through a dense copy
+                target = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        args = dict(T=T, H=H, D=D, x=x.data_ptr(), x_st=x.stride(0), x_sh=x.stride(1), in_dt=DTYPE[x.dtype],
+                    positions=positions.data_ptr(), pos_dt=DTYPE[positions.dtype], out_kind=kind,
+                    out=target.data_ptr(), out_st=target.stride(0), out_sh=target.stride(1), out_scale=_p(out_scale),
+                    group=int(group_size or 0), shuffle=bool(shuffle_scale), hadamard=bool(hadamard_on),
+                    rounding=POLICIES.index(rounding), flavour=flavour,
+                    err_flag=errors.flag_tensor(x.device).data_ptr(), **rope)
+        mod.rope_rotate_quant(args, _stream(x))
+        if target is not out:
+            out.copy_(target)
+        del keep
+
+    fns = [indexer_qk_rope_quant_and_cache, index_k_norm_rope_pack_store, index_q_rope_pack_weights,
+           rope_fake_quant_fp4, rmsnorm_rope_rotate_fp4quant_kvcache]
+    if hasattr(mod, "compress_kv"):       # a module built before SPEC §7.6/§7.7 kernels existed lacks them
+        fns += [compress_kv, rope_rotate_quant]
+    return {f.__name__: f for f in fns}
 
 
 def register_compiled(backend: str, mod) -> None:

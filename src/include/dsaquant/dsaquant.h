@@ -9,3 +9,4 @@
 #include "fp8.h"       // E4M3 flavours, row scales (§4)
 #include "rope.h"      // RoPE, LayerNorm, RMSNorm, Hadamard (§5)
 #include "layouts.h"   // cache offsets (§6)
+#include "pool.h"      // the compressor's window pool (§7.6 step 2)

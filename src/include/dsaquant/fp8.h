@@ -92,6 +92,12 @@ DSQ_HD float fp8_row_scale(float amax, Fp8Flavour fl, Fp8Role role, bool ue8m0) 
 DSQ_HD float fp8_inv_scale(float s) { return fdiv(1.0f, s); }
 DSQ_HD uint8_t fp8_encode_scaled(float x, float inv, Fp8Flavour fl) { return fp8_encode(canon_nan(fmul(x, inv)), fl); }
 
+// SPEC §7.7 FP8 group scale (query side, rope_rotate_quant): s = max(amax, 1e-10f) / fmax, one true
+// division, no UE8M0 rounding (unlike §4's q rule, which multiplies by fl(1/fmax)).
+DSQ_HD float fp8_group_scale(float amax, Fp8Flavour fl) {
+  return fdiv(clamp_lo(amax, u2f(0x2EDBE6FFu)), fp8_max(fl));   // 1e-10f
+}
+
 // A whole row of n values in one thread: codes into out[0..n), returns the fp32 scale s.
 DSQ_HD float fp8_quantize_row(const float* x, int n, Fp8Flavour fl, Fp8Role role, bool ue8m0, uint8_t* out) {
   const float s = fp8_row_scale(nan_amax(x, n), fl, role, ue8m0);

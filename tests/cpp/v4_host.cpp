@@ -1,0 +1,323 @@
+// Host emulator of the DeepSeek-V4 kernels (kernels/cuda/v4_body.cuh), for tests only.
+//
+// The kernel bodies run unchanged on the CPU: every thread of a block is a cooperative fiber (ucontext), the
+// block barrier and the 32-lane warp shuffles are rendezvous points of the fibers, and the blocks of a grid run
+// one after another in a chosen order (forward, reverse or shuffled), so that results must not depend on the
+// order of blocks. A shuffle that not every lane of its warp reaches (undefined on a GPU) is reported as an
+// error instead of hanging. Pointers are host pointers (CPU torch tensors): the Python glue
+// (python/dsaquant/backends/compiled.py make_ops) drives this module exactly as it drives dsaquant._cuda.
+// Built by tests/test_v4_host.py with g++ -O2 -std=c++17 -ffp-contract=off -fno-fast-math (SPEC §0).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "v4_args.h"
+
+namespace py = pybind11;
+
+namespace emu {
+
+constexpr int kN = 256;                  // threads per block (v4_body.cuh kThreads)
+constexpr size_t kStack = 256 * 1024;    // bytes of stack per fiber
+
+struct Fiber {
+  ucontext_t ctx;
+  bool done = false;
+  const int* wait_gen = nullptr;   // blocked until *wait_gen != wait_val
+  int wait_val = 0;
+};
+
+struct Block {
+  Fiber f[kN];
+  ucontext_t sched;
+  int cur = 0;
+  int64_t bid = 0;
+  int alive = kN;
+  int blk_count = 0, blk_gen = 0;
+  int warp_count[kN / 32] = {}, warp_gen[kN / 32] = {};
+  float slot_f[kN / 32][32] = {};
+  int slot_i[kN / 32][32] = {};
+  std::function<void()> body;
+};
+
+std::vector<char>& stacks() {
+  static std::vector<char> s(kStack * kN);
+  return s;
+}
+Block* g = nullptr;
+
+void yield_until_changed(const int* gen) {
+  Fiber& f = g->f[g->cur];
+  f.wait_gen = gen;
+  f.wait_val = *gen;
+  swapcontext(&f.ctx, &g->sched);
+}
+
+void release_block_if_all_arrived() {
+  if (g->blk_count > 0 && g->blk_count == g->alive) {
+    g->blk_count = 0;
+    ++g->blk_gen;
+  }
+}
+
+void block_barrier() {
+  ++g->blk_count;
+  const int* gen = &g->blk_gen;
+  const int my = *gen;
+  release_block_if_all_arrived();
+  if (*gen == my) yield_until_changed(gen);
+}
+
+void warp_barrier(int w) {
+  const int my = g->warp_gen[w];
+  if (++g->warp_count[w] == 32) {
+    g->warp_count[w] = 0;
+    ++g->warp_gen[w];
+    return;
+  }
+  if (g->warp_gen[w] == my) yield_until_changed(&g->warp_gen[w]);
+}
+
+template <class T, class Slots>
+T shuffle(Slots& slots, T v, int s) {
+  const int tid = g->cur, w = tid / 32, lane = tid % 32;
+  slots[w][lane] = v;
+  warp_barrier(w);                       // every lane has published
+  const T r = slots[w][lane ^ s];
+  warp_barrier(w);                       // every lane has read
+  return r;
+}
+
+void entry() {
+  g->body();
+  g->f[g->cur].done = true;
+  --g->alive;
+  release_block_if_all_arrived();        // exited threads no longer hold a block barrier
+}
+
+// Run one block of kN fibers until all return; throws on a deadlock (a divergent barrier or shuffle).
+void run_block(int64_t bid, const std::function<void()>& body) {
+  Block& b = *g;
+  b.bid = bid;
+  b.alive = kN;
+  b.blk_count = 0;
+  std::fill(std::begin(b.warp_count), std::end(b.warp_count), 0);
+  b.body = body;
+  for (int t = 0; t < kN; ++t) {
+    Fiber& f = b.f[t];
+    f.done = false;
+    f.wait_gen = nullptr;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stacks().data() + kStack * t;
+    f.ctx.uc_stack.ss_size = kStack;
+    f.ctx.uc_link = &b.sched;
+    makecontext(&f.ctx, entry, 0);
+  }
+  for (;;) {
+    bool ran = false, all_done = true;
+    for (int t = 0; t < kN; ++t) {
+      Fiber& f = b.f[t];
+      if (f.done) continue;
+      all_done = false;
+      if (f.wait_gen && *f.wait_gen == f.wait_val) continue;
+      f.wait_gen = nullptr;
+      b.cur = t;
+      ran = true;
+      swapcontext(&b.sched, &f.ctx);
+    }
+    if (all_done) return;
+    if (!ran) {
+      int waiting = 0;
+      for (int t = 0; t < kN; ++t) waiting += !b.f[t].done;
+      throw std::runtime_error("emulated block " + std::to_string(bid) + ": deadlock, " + std::to_string(waiting) +
+                               " threads wait at a barrier or shuffle that the others never reach");
+    }
+  }
+}
+
+int g_order = 0;            // 0 forward, 1 reverse, 2 shuffled
+uint64_t g_seed = 0;
+
+void run_grid(int64_t n, const std::function<void(int64_t)>& block) {
+  std::vector<int64_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), int64_t{0});
+  if (g_order == 1) std::reverse(ids.begin(), ids.end());
+  if (g_order == 2) {
+    std::mt19937_64 rng(g_seed++);
+    std::shuffle(ids.begin(), ids.end(), rng);
+  }
+  static Block blk;
+  g = &blk;
+  for (int64_t id : ids) block(id);
+}
+
+}  // namespace emu
+
+namespace dsqv4 {
+#define V4_FN inline
+#define V4_UNROLL
+#define V4_NO_UNROLL
+inline int thread_id() { return emu::g->cur; }
+inline int64_t block_id() { return emu::g->bid; }
+inline void block_sync() { emu::block_barrier(); }
+inline float shfl_xor(float v, int s) { return emu::shuffle(emu::g->slot_f, v, s); }
+inline int shfl_xor_i(int v, int s) { return emu::shuffle(emu::g->slot_i, v, s); }
+inline void atomic_or(int* p, int v) { *p |= v; }
+}  // namespace dsqv4
+
+#include "v4_body.cuh"
+
+namespace {
+
+struct DictSrc {   // the same keys as src/bindings.cpp
+  const py::dict& d;
+  py::object at(const char* k) const {
+    if (!d.contains(k)) throw std::invalid_argument(std::string("dsaquant kernel argument missing: ") + k);
+    return d[k];
+  }
+  int64_t i64(const char* k) const { return at(k).cast<int64_t>(); }
+  double f64(const char* k) const { return at(k).cast<double>(); }
+  bool flag(const char* k) const { return at(k).cast<bool>(); }
+  void* ptr(const char* k) const { return reinterpret_cast<void*>(static_cast<uintptr_t>(at(k).cast<uint64_t>())); }
+};
+
+template <int K, int D>
+void compress_grid_run(const dsqv4::CompressArgs& a) {
+  emu::run_grid(dsqv4::compress_grid(a), [&](int64_t bid) {
+    dsqv4::CompressSmem sm;
+    emu::run_block(bid, [&] { dsqv4::compress_block<K, D>(a, sm); });
+  });
+}
+
+template <int K>
+void compress_k(const dsqv4::CompressArgs& a) {
+  if (a.D == 128) compress_grid_run<K, 128>(a);
+  else if (a.D == 512) compress_grid_run<K, 512>(a);
+  else throw std::invalid_argument("D must be 128 or 512");
+}
+
+void compress_kv(const py::dict& d, uint64_t /*stream*/) {
+  const auto a = dsqv4::compress_args_from(DictSrc{d});
+  if (a.T == 0 || a.B == 0) return;
+  switch (a.K) {
+    case 4: compress_k<4>(a); break;
+    case 8: compress_k<8>(a); break;
+    case 128: compress_k<128>(a); break;
+    case 256: compress_k<256>(a); break;
+    default: throw std::invalid_argument("K must be 4, 8, 128 or 256");
+  }
+}
+
+// The distributed pool alone (v4_body.cuh pool_row: SPEC §7.6 step 2 over all D columns) for the boundaries
+// (i, p, b) given: returns their pooled rows [N, D] in fp32, before any rounding point.
+template <int K, int D>
+py::list pool_rows_run(const dsqv4::CompressArgs& a, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& bs) {
+  py::list out;
+  for (const auto& [i, p, b] : bs) {
+    dsqv4::CompressSmem sm;
+    emu::run_grid(1, [&](int64_t) {
+      emu::run_block(0, [&] { dsqv4::pool_row<K, D>(a, sm, dsqv4::seq_of(a, b), i, p); });
+    });
+    py::list row;
+    for (int c = 0; c < D; ++c) row.append(sm.y[c]);
+    out.append(row);
+  }
+  return out;
+}
+
+py::list pool_rows(const py::dict& d, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& bs) {
+  const auto a = dsqv4::compress_args_from(DictSrc{d});
+  auto by_d = [&](auto k) -> py::list {
+    constexpr int K = decltype(k)::value;
+    if (a.D == 128) return pool_rows_run<K, 128>(a, bs);
+    if (a.D == 512) return pool_rows_run<K, 512>(a, bs);
+    throw std::invalid_argument("D must be 128 or 512");
+  };
+  switch (a.K) {
+    case 4: return by_d(std::integral_constant<int, 4>{});
+    case 8: return by_d(std::integral_constant<int, 8>{});
+    case 128: return by_d(std::integral_constant<int, 128>{});
+    case 256: return by_d(std::integral_constant<int, 256>{});
+    default: throw std::invalid_argument("K must be 4, 8, 128 or 256");
+  }
+}
+
+// The warp primitives alone on rows of n = 32*V fp32 values (8 rows a block, one per warp): op 0 warp_sum (the
+// SPEC §0.2 canonical sum, returned in element 0 of each row), op 1 warp_hadamard (SPEC §5).
+template <int V>
+void warp_op_run(std::vector<float>& x, int op) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / (32 * V);
+  emu::run_grid((rows + 7) / 8, [&](int64_t bid) {
+    emu::run_block(bid, [&] {
+      const int tid = dsqv4::thread_id(), lane = tid & 31;
+      const int64_t r = bid * 8 + (tid >> 5);
+      if (r >= rows) return;
+      float* row = x.data() + r * 32 * V + V * lane;
+      float v[V];
+      for (int e = 0; e < V; ++e) v[e] = row[e];
+      if (op == 0) {
+        const float s = dsqv4::warp_sum(v);
+        dsqv4::block_sync();   // (every lane reads its own values before lane 0 writes)
+        if (lane == 0) row[0] = s;
+      } else {
+        dsqv4::warp_hadamard(v, lane);
+        for (int e = 0; e < V; ++e) row[e] = v[e];
+      }
+    });
+  });
+}
+
+std::vector<float> warp_op(std::vector<float> x, int n, int op) {
+  switch (n) {
+    case 128: warp_op_run<4>(x, op); break;
+    case 256: warp_op_run<8>(x, op); break;
+    case 512: warp_op_run<16>(x, op); break;
+    case 1024: warp_op_run<32>(x, op); break;
+    default: throw std::invalid_argument("n must be 128, 256, 512 or 1024");
+  }
+  return x;
+}
+
+template <int D>
+void rotate_run(const dsqv4::RotateArgs& a) {
+  emu::run_grid(dsqv4::rotate_grid(a), [&](int64_t bid) {
+    emu::run_block(bid, [&] { dsqv4::rotate_block<D>(a); });
+  });
+}
+
+void rope_rotate_quant(const py::dict& d, uint64_t /*stream*/) {
+  const auto a = dsqv4::rotate_args_from(DictSrc{d});
+  if (a.T == 0 || a.H == 0) return;
+  switch (a.D) {
+    case 128: rotate_run<128>(a); break;
+    case 256: rotate_run<256>(a); break;
+    case 512: rotate_run<512>(a); break;
+    case 1024: rotate_run<1024>(a); break;
+    default: throw std::invalid_argument("D must be 128, 256, 512 or 1024");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(dsq_v4_host, m) {
+  m.doc() = "The DeepSeek-V4 kernel bodies (kernels/cuda/v4_body.cuh) on the CPU, one fiber per thread (tests only)";
+  m.def("compress_kv", &compress_kv, py::arg("args"), py::arg("stream"));
+  m.def("rope_rotate_quant", &rope_rotate_quant, py::arg("args"), py::arg("stream"));
+  m.def("pool_rows", &pool_rows, "pool_row alone for boundaries (i, p, b): fp32 [N][D]", py::arg("args"),
+        py::arg("boundaries"));
+  m.def("warp_op", &warp_op, "warp_sum (op 0) / warp_hadamard (op 1) on flat rows of n values", py::arg("x"),
+        py::arg("n"), py::arg("op"));
+  m.def("set_block_order", [](int order, uint64_t seed) { emu::g_order = order; emu::g_seed = seed; },
+        "0: blocks in order, 1: reversed, 2: shuffled (seeded)", py::arg("order"), py::arg("seed") = 0);
+}

@@ -1,0 +1,392 @@
+"""The compiled kernels of SPEC §7.6 compress_kv and §7.7 rope_rotate_quant, on the CPU, byte for byte.
+
+kernels/cuda/v4_body.cuh holds the kernel bodies that kernels/cuda/v4.cu launches on NVIDIA (and hipified on AMD).
+tests/cpp/v4_host.cpp runs the same bodies on the host, one cooperative fiber per GPU thread: block barriers and
+32-lane shuffles are rendezvous points, a shuffle that not every lane of its warp reaches is an error, and the
+blocks of a grid run one after another in order, reversed or shuffled (results must not depend on it). The module
+is driven through the compiled backends' own glue (dsaquant.backends.compiled.make_ops), with CPU tensors, and
+every output byte (caches, scale tensors, the whole ring, the error flags) is compared with the reference backend
+(dsaquant.reference.compress) on the same inputs. What this cannot see: the device SIMT layer of v4.cu (a dozen
+lines), the hardware converts (checked against the software forms on the GPU by tests/gpu/test_fp8_native.py),
+races between blocks running at the same time (the design has none: see v4_body.cuh), and the launch itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsaquant import errors
+from dsaquant import testing as tt
+from dsaquant.backends.compiled import make_ops
+from dsaquant.reference import compress as rc
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = [REPO / "tests/cpp/v4_host.cpp", REPO / "kernels/cuda/v4_body.cuh", REPO / "kernels/cuda/v4_args.h",
+           *sorted((REPO / "src/include/dsaquant").glob("*.h"))]
+CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _build() -> Path:
+    import pybind11
+    cxx = os.environ.get("CXX", shutil.which("g++") or "g++")
+    h = hashlib.sha256()
+    for p in SOURCES:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join([cxx, *CXXFLAGS, sys.version]).encode())
+    out = REPO / "build" / "test_v4_host" / h.hexdigest()[:16]
+    so = out / ("dsq_v4_host" + sysconfig.get_config_var("EXT_SUFFIX"))
+    if so.exists():
+        return so
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = so.with_suffix(f".tmp{os.getpid()}")
+    cmd = [cxx, *CXXFLAGS, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}", f"-I{pybind11.get_include()}",
+           f"-I{sysconfig.get_paths()['include']}", str(SOURCES[0]), "-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"building the V4 kernel emulator failed:\n{' '.join(cmd)}\n{res.stderr}")
+    os.replace(tmp, so)
+    return so
+
+
+@pytest.fixture(scope="module")
+def emu():
+    so = _build()
+    spec = importlib.util.spec_from_file_location("dsq_v4_host", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ops(emu):
+    return make_ops(emu)
+
+
+def _take_flag() -> int:
+    f = errors.flag_tensor("cpu")
+    v = int(f.item())
+    f.zero_()
+    return v
+
+
+def _same(name, got: torch.Tensor, want: torch.Tensor):
+    gb, wb = got.contiguous().view(torch.uint8).reshape(-1), want.contiguous().view(torch.uint8).reshape(-1)
+    assert gb.shape == wb.shape, name
+    diff = (gb != wb).nonzero().reshape(-1)
+    assert diff.numel() == 0, (f"{name}: {diff.numel()} of {gb.numel()} bytes differ, first at {diff[:6].tolist()}: "
+                               f"got {gb[diff[:6]].tolist()}, want {wb[diff[:6]].tolist()}")
+
+
+# ------------------------------------------------------------------------------------------------
+# SPEC §7.6 compress_kv
+# ------------------------------------------------------------------------------------------------
+def compress_case(*, ratio=4, overlap=None, D=128, dtype=F32, starts=(0, 5, 13, 3), lens=(9, 1, 20, 0),
+                  quant_mode="none", layout="packed68", scale_rule="recip", rounding="rne", scale_fmt="ue8m0",
+                  fp8_flavour="e4m3fn", preshuffle=False, hadamard=False, bf16_after=("pool", "norm", "rope"),
+                  table="f32", max_pos=4096, update_state=True, R_extra=3, specials=False, strided=False,
+                  bad_ring=None, over_cap=0, P=None, nw_dtype=F32, seed=0):
+    """(outputs, positional args of the reference signature), built afresh from `seed` on every call."""
+    g = torch.Generator().manual_seed(seed)
+    overlap = ratio == 4 if overlap is None else overlap
+    K = ratio * (2 if overlap else 1)
+    C = D * (2 if overlap else 1)
+    R = K + R_extra
+    B, T = len(starts), sum(lens)
+    kv = torch.randn(T, C, generator=g)
+    score = torch.randn(T, C, generator=g) * 2
+    if specials:
+        kv[:, :128] = tt.special_rows(kv[:, :128])
+        for t in range(0, T, 3):
+            c = int(torch.randint(0, C, (1,), generator=g))
+            score[t, c] = (float("nan"), float("inf"), float("-inf"))[t % 3]
+        score[T // 2:T // 2 + ratio, 5] = float("-inf")     # a whole window's column -inf (NaN result)
+        score[T // 3, 7:] *= 1e30
+    if strided:   # column views of wider rows (sglang's [T, 4D] kv|score layout)
+        wide = torch.zeros(T, 2 * C + 8)
+        wide[:, 4:4 + C], wide[:, 4 + C:4 + 2 * C] = kv, score
+        wide = wide.to(dtype)
+        kv, score = wide[:, 4:4 + C], wide[:, 4 + C:4 + 2 * C]
+    else:
+        kv, score = kv.to(dtype), score.to(dtype)
+    ape = torch.randn(ratio, C, generator=g) * 0.5
+    n_ring = B + 2
+    ring_kv = torch.randn(n_ring, R + 2, C + 4, generator=g)
+    ring_sc = torch.randn(n_ring, R + 2, C + 4, generator=g)
+    ring_sc[0, 1, 3] = float("nan")
+    if strided:
+        state_kv, state_score = ring_kv[:, 1:1 + R, 2:2 + C], ring_sc[:, 2:2 + R, :C]
+    else:
+        state_kv, state_score = ring_kv[:, :R, :C].contiguous(), ring_sc[:, :R, :C].contiguous()
+        ring_kv, ring_sc = state_kv, state_score
+    state_slot = torch.randperm(n_ring, generator=g)[:B].to(torch.int32)
+    if bad_ring is not None:
+        state_slot[bad_ring] = n_ring + 5
+    cu = torch.tensor([0] + [sum(lens[:b + 1]) for b in range(B)], dtype=torch.int32)
+    start_pos = torch.tensor(starts, dtype=torch.int64)
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(nw_dtype)
+    cos = sin = freqs = None
+    if table == "freqs":
+        _, _, freqs = tt.rope_tables(max_pos, "cpu")
+    else:
+        cos, sin, _ = tt.rope_tables(max_pos, "cpu", {"f32": F32, "bf16": BF16, "f16": F16}[table])
+    cache_scale = None
+    if quant_mode in ("none", "fp4_sim"):
+        P = P or 16
+        cache = tt.poisoned((max(1, -(-T // P)) + 1, P, D), BF16, "cpu")
+    elif quant_mode == "fp4" and layout == "aiter_fp4":
+        P = 64
+        NB = max(1, -(-T // P)) + 1
+        cache = tt.poisoned((NB, 1, 4, P, 16), torch.uint8, "cpu")
+        cache_scale = tt.poisoned((NB, 1, 4, P), torch.uint8, "cpu")
+    elif quant_mode == "fp4":
+        P = P or 16
+        cache = tt.poisoned((max(1, -(-T // P)) + 1, P * 68), torch.uint8, "cpu")
+    else:
+        P = P or 16
+        cache = tt.poisoned((max(1, -(-T // P)) + 1, P * 132), torch.uint8, "cpu")
+    capacity = cache.shape[0] * P
+    out_slots = torch.randperm(capacity, generator=g)[:T].to(torch.int64)
+    out_slots[torch.rand(T, generator=g) < 0.125] = -1
+    if over_cap:
+        out_slots[torch.randperm(T, generator=g)[:over_cap]] = capacity + torch.arange(over_cap) * 7
+    args = (kv, score, ape, state_kv, state_score, state_slot, cu, start_pos, nw, 1e-6, cos, sin, out_slots, cache,
+            cache_scale, ratio, overlap, quant_mode, layout, scale_rule, rounding, scale_fmt, fp8_flavour, preshuffle,
+            hadamard, tuple(bf16_after), freqs, update_state, P)
+    outs = {"cache": cache, "cache_scale": cache_scale, "ring_kv": ring_kv, "ring_score": ring_sc}
+    return outs, args
+
+
+COMPRESS = {
+    "r4_none_f32": {},
+    "r4_none_bf16_freqs": dict(dtype=BF16, table="freqs", nw_dtype=BF16),
+    "r4_fp4_packed68": dict(quant_mode="fp4"),
+    "r4_fp4_aiter_hw": dict(quant_mode="fp4", layout="aiter_fp4", rounding="hardware", dtype=BF16, bf16_after=()),
+    "r4_fp4_c4_had": dict(quant_mode="fp4", scale_rule="pack", rounding="threshold", hadamard=True, bf16_after=()),
+    "r4_fp4_sim_had": dict(quant_mode="fp4_sim", hadamard=True, bf16_after=("pool", "norm", "rope", "hadamard")),
+    "r4_fp4_sim_pack": dict(quant_mode="fp4_sim", scale_rule="pack", table="bf16"),
+    "r4_fp8_ue8m0_pre": dict(quant_mode="fp8", preshuffle=True, table="bf16", bf16_after=("rope",)),
+    "r4_fp8_fp32_fnuz": dict(quant_mode="fp8", scale_fmt=None, fp8_flavour="e4m3fnuz", table="f16"),
+    "r4_no_overlap_fp4": dict(overlap=False, quant_mode="fp4", rounding="hardware"),
+    "r4_decode": dict(starts=(3, 7, 11, 0, 126, 127, 6), lens=(1, 1, 1, 1, 1, 1, 1), quant_mode="fp4"),
+    "r4_ring_wraps": dict(R_extra=0, starts=(5, 50, 2), lens=(40, 3, 17), quant_mode="fp8"),
+    "r4_no_update": dict(update_state=False, quant_mode="fp4_sim"),
+    "r4_specials_hw": dict(specials=True, quant_mode="fp4", rounding="hardware", starts=(0, 9), lens=(36, 12)),
+    "r4_specials_fp8": dict(specials=True, quant_mode="fp8", starts=(0, 9), lens=(36, 12), seed=3),
+    "r4_specials_none": dict(specials=True, starts=(0, 9), lens=(36, 12), bf16_after=(), seed=4),
+    "r4_bad_input": dict(bad_ring=1, over_cap=4, max_pos=24, quant_mode="fp4", starts=(0, 5, 13, 30),
+                         lens=(9, 6, 20, 4)),
+    "r4_strided_bf16": dict(strided=True, dtype=BF16, quant_mode="fp4", layout="aiter_fp4"),
+    "r128_fp4": dict(ratio=128, starts=(0, 200, 120), lens=(260, 60, 8), quant_mode="fp4"),
+    "r128_fp8_bf16": dict(ratio=128, starts=(130, 0), lens=(140, 130), quant_mode="fp8", dtype=BF16, R_extra=0),
+    "r128_overlap_none": dict(ratio=128, overlap=True, starts=(0, 300), lens=(400, 30)),
+    "r128_overlap_fp4_sim": dict(ratio=128, overlap=True, starts=(250, 0), lens=(20, 130), quant_mode="fp4_sim",
+                                 specials=True),
+    "d512_r4": dict(D=512, starts=(0, 5), lens=(9, 12)),
+    "d512_r128": dict(D=512, ratio=128, starts=(100,), lens=(60,), bf16_after=("norm",)),
+    "d512_r4_no_overlap": dict(D=512, overlap=False, starts=(1, 0), lens=(8, 7), dtype=BF16),
+}
+
+
+def _run_compress(ops, emu, case: dict, order: int):
+    emu.set_block_order(order, 11)
+    _take_flag()
+    outs_e, args_e = compress_case(**case)
+    ops["compress_kv"](*args_e)
+    flag_e = _take_flag()
+    outs_r, args_r = compress_case(**case)
+    rc.compress_kv(*args_r)
+    flag_r = _take_flag()
+    return outs_e, flag_e, outs_r, flag_r
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("name", list(COMPRESS))
+def test_compress_kv(ops, emu, name, order):
+    if order == 2 and not name.startswith(("r4_fp4_packed68", "r128_fp4", "r4_ring", "r4_bad", "r128_overlap_none")):
+        pytest.skip("shuffled block order: a few cases")
+    outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, COMPRESS[name], order)
+    for k in outs_r:
+        if outs_r[k] is not None:
+            _same(f"{name} {k}", outs_e[k], outs_r[k])
+    assert flag_e == flag_r, (flag_e, flag_r)
+    if name == "r4_bad_input":
+        assert flag_r == errors.SLOT_OUT_OF_RANGE | errors.POSITION_OUT_OF_RANGE
+
+
+def test_compress_kv_writes_something(ops, emu):
+    """The comparison above is not vacuous: boundaries were stored and ring rows written."""
+    outs, args = compress_case(quant_mode="fp4")
+    before = {k: v.clone() for k, v in outs.items() if v is not None}
+    ops["compress_kv"](*args)
+    _take_flag()
+    for k in before:
+        assert not torch.equal(before[k].view(torch.uint8), outs[k].view(torch.uint8)), k
+
+
+POOL_CASES = {
+    "K4": dict(overlap=False, specials=True),
+    "K8": dict(specials=True, starts=(0, 9, 2), lens=(36, 12, 1)),
+    "K8_bf16_wrap": dict(dtype=BF16, R_extra=0, starts=(5, 50), lens=(40, 3)),
+    "K128": dict(ratio=128, starts=(0, 200, 120), lens=(260, 60, 8), specials=True),
+    "K256": dict(ratio=128, overlap=True, starts=(250, 0), lens=(20, 300)),
+    "K8_D512": dict(D=512, starts=(0, 5), lens=(9, 12)),
+    "K128_D512": dict(D=512, ratio=128, starts=(100,), lens=(60,)),
+}
+
+
+@pytest.mark.parametrize("name", list(POOL_CASES))
+def test_pool_rows_fp32(ops, emu, monkeypatch, name):
+    """The distributed pool (pool_row: kPL window slices per column, in-thread and cross-lane butterflies) against
+    the reference's pool() in fp32, before any rounding point hides an ulp (every boundary, out slot or not)."""
+    case = dict(POOL_CASES[name])
+    _, args = compress_case(**case)
+    got = []
+
+    class Capture:   # a module whose compress_kv runs the emulator's pool_rows on the glue's argument dict
+        @staticmethod
+        def compress_kv(d, stream):
+            cu, sp = args[6].tolist(), args[7].tolist()
+            bs = []
+            for b in range(len(sp)):
+                for j in range(cu[b + 1] - cu[b]):
+                    p = sp[b] + j
+                    if (p + 1) % d["ratio"] == 0:
+                        bs.append((cu[b] + j, p, b))
+            got.append(torch.tensor(emu.pool_rows(d, bs), dtype=F32).reshape(len(bs), d["D"]))
+
+    want = []
+    real_pool = rc.pool
+    monkeypatch.setattr(rc, "pool", lambda *a: want.append(real_pool(*a)) or want[-1])
+    make_ops(Capture)["compress_kv"](*args)
+    rc.compress_kv(*compress_case(**case)[1])
+    _take_flag()
+    assert len(got) == len(want) == 1 and got[0].shape == want[0].shape and got[0].shape[0] > 0
+    g, w = got[0], want[0]
+    both_nan = torch.isnan(g) & torch.isnan(w)
+    bad = (g.view(torch.int32) != w.view(torch.int32)) & ~both_nan
+    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} pooled values differ at {bad.nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("n", [128, 256, 512, 1024])
+def test_warp_sum_and_hadamard_fp32(emu, n):
+    """The warp-distributed canonical sum (RMSNorm's S over D = n) and Hadamard over n, in fp32, against
+    reference.arith.canonical_sum and reference.transforms.hadamard (rows of wide dynamic range)."""
+    from dsaquant.reference import arith, transforms
+    g = torch.Generator().manual_seed(n)
+    rows = 24 if n >= 512 else 48
+    x = torch.randn(rows, n, generator=g) * 2.0 ** torch.randint(-20, 20, (rows, n), generator=g).float()
+    x[1::5, n // 2:] = -x[1::5, :n // 2].flip(-1)      # cancellations that only some orders see
+    flat = x.reshape(-1).tolist()
+    s = torch.tensor(emu.warp_op(flat, n, 0), dtype=F32).reshape(rows, n)[:, 0]
+    _same(f"warp_sum n={n}", s, arith.canonical_sum(x))
+    hd = torch.tensor(emu.warp_op(flat, n, 1), dtype=F32).reshape(rows, n)
+    _same(f"warp_hadamard n={n}", hd, transforms.hadamard(x))
+
+
+@pytest.mark.parametrize("preset", ["dsv4-ref", "aiter", "vllm-v4", "sglang-c4"])
+def test_compress_kv_presets(ops, emu, preset):
+    from dsaquant.v4ops import PRESETS
+    p = dict(PRESETS[preset])
+    mode = "fp8" if preset == "vllm-v4" else "fp4"
+    case = dict(quant_mode=mode, bf16_after=p.pop("bf16_after"), dtype=BF16 if preset in ("aiter", "vllm-v4") else F32,
+                starts=(0, 7), lens=(17, 9), **{k: v for k, v in p.items() if k in ("hadamard", "scale_rule", "rounding",
+                                                                                   "layout", "scale_fmt", "preshuffle")})
+    outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, case, 0)
+    for k in outs_r:
+        if outs_r[k] is not None:
+            _same(f"{preset} {k}", outs_e[k], outs_r[k])
+    assert flag_e == flag_r
+
+
+# ------------------------------------------------------------------------------------------------
+# SPEC §7.7 rope_rotate_quant
+# ------------------------------------------------------------------------------------------------
+ROTATE = {  # name -> (x dtype, out dtype, shuffle_scale, group (None: D), rounding)
+    "fp4_shuffled_hw": (BF16, torch.uint8, True, 32, "hardware"),
+    "fp4_dense_rne_g16": (BF16, torch.uint8, False, 16, "rne"),
+    "fp4x2_threshold_g64": (F16, torch.float4_e2m1fn_x2, False, 64, "threshold"),
+    "fp4_dense_gD_f32": (F32, torch.uint8, False, None, "hardware"),
+    "fp8_fn_g128": (BF16, torch.float8_e4m3fn, False, 128, "hardware"),
+    "fp8_fnuz_g16": (BF16, torch.float8_e4m3fnuz, False, 16, "hardware"),
+    "fp8_fn_gD_f32": (F32, torch.float8_e4m3fn, False, None, "hardware"),
+    "bf16_inplace": (BF16, "alias", True, 0, "hardware"),
+    "fp16": (F16, F16, True, 0, "hardware"),
+    "bf16_strided_out": (BF16, "strided", True, 0, "hardware"),
+}
+
+
+def rotate_case(kind, D, had, H=16, T=3, seed=0, max_pos=64):
+    xdt, odt, shuffle, group, rounding = ROTATE[kind]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, D + 8, generator=g) * 2.0
+    x[..., 8:8 + 128] = tt.special_rows(x[..., 8:8 + 128].reshape(T * H, 128)).reshape(T, H, 128)
+    x = x.to(xdt)[..., 8:]                      # strided rows, last dim contiguous
+    cos, sin, _ = tt.rope_tables(max_pos, "cpu", F32 if xdt == F32 else xdt)
+    pos = torch.tensor([5, max_pos + 2, -3][:T] + [7] * max(0, T - 3), dtype=torch.int64)
+    g_ = group if group is not None else D
+    out_scale = None
+    if odt == "alias":
+        out, g_ = x, 0
+    elif odt == "strided":
+        out, g_ = tt.poisoned((T, H, D, 2), xdt, "cpu")[..., 0], 0
+    elif odt in (F16, BF16):
+        out, g_ = tt.poisoned((T, H, D), odt, "cpu"), 0
+    elif odt in rc.FP8_OUT_DTYPES:
+        out = tt.poisoned((T, H, D), odt, "cpu")
+        out_scale = tt.poisoned((T, H, D // g_), F32, "cpu")
+    else:
+        out = tt.poisoned((T, H, D // 2), torch.uint8, "cpu").view(odt)
+        out_scale = (tt.poisoned((T, D // 128, 4, 16, (H // 16 + 3) // 4 * 4), torch.uint8, "cpu") if shuffle
+                     else tt.poisoned((T, H, D // g_), torch.uint8, "cpu"))
+    args = (out, x, cos, sin, pos, 64, out_scale, g_, shuffle, had, rounding)
+    return (out, out_scale, x), args
+
+
+@pytest.mark.parametrize("had", [True, False])
+@pytest.mark.parametrize("D", [128, 256, 512, 1024])
+@pytest.mark.parametrize("kind", list(ROTATE))
+def test_rope_rotate_quant(ops, emu, kind, D, had):
+    H = 32 if kind == "fp4_shuffled_hw" and D == 256 else 16
+    emu.set_block_order(1 if had else 0)
+    _take_flag()
+    outs_e, args_e = rotate_case(kind, D, had, H=H)
+    ops["rope_rotate_quant"](*args_e)
+    flag_e = _take_flag()
+    outs_r, args_r = rotate_case(kind, D, had, H=H)
+    rc.rope_rotate_quant(*args_r)
+    flag_r = _take_flag()
+    for name, e, r in zip(("out", "out_scale", "x"), outs_e, outs_r):
+        if r is not None:
+            _same(f"{kind} D={D} had={had} {name}", e, r)
+    assert flag_e == flag_r == errors.POSITION_OUT_OF_RANGE
+
+
+# ------------------------------------------------------------------------------------------------
+# The compiled module's argument parsing (src/bindings.cpp) reads every key the glue writes
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("dsaquant._cuda") is None, reason="dsaquant._cuda not built here")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the module with CPU pointers: only where no GPU exists")
+def test_cuda_module_parses_the_glue_arguments():
+    """On a machine without a GPU, dsaquant._cuda parses the argument dict (a missing key raises
+    'argument missing') and then fails at the launch, before touching any pointer."""
+    import dsaquant._cuda as m
+    if not hasattr(m, "compress_kv"):
+        pytest.skip("dsaquant._cuda predates the V4 kernels (rebuild: python tools/build_native.py cuda)")
+    cops = make_ops(m)
+    _, args = compress_case(quant_mode="fp4")
+    with pytest.raises(RuntimeError, match="launching compress_kv failed"):
+        cops["compress_kv"](*args)
+    _, args = rotate_case("fp4_shuffled_hw", 128, True)
+    with pytest.raises(RuntimeError, match="launching rope_rotate_quant failed"):
+        cops["rope_rotate_quant"](*args)
