@@ -162,6 +162,12 @@ def _cid(c):
 def test_indexer(c, mode):
     if mode == "triton-soft" and not c["soft"]:
         pytest.skip("software path checked on a subset (it is the interpreter's path; compile time)")
+    a = build_indexer_case(c)
+    run_pair("indexer_qk_rope_quant_and_cache", dq.indexer_qk_rope_quant_and_cache, a, mode, _cid(c), oob=c["oob"])
+
+
+def build_indexer_case(c) -> dict:
+    """The arguments of one grid case (also used by ci/triton_repro.py)."""
     f8 = torch.float8_e4m3fnuz if c["flavour"] == "e4m3fnuz" else torch.float8_e4m3fn
     a = tt.make_indexer(T=c["T"], H=c["H"], mode=c["mode"], device=DEV, seed=c["T"] * 131 + c["H"], scale=c["scale"],
                         rounding=c["policy"], is_neox=c["neox"], preshuffle=c["preshuffle"], scale_fmt=c["scale_fmt"],
@@ -179,7 +185,7 @@ def test_indexer(c, mode):
     if c["oob"]:
         s = _set_oob(s, cap)
     a["slot_mapping"] = s.to(c["slot"])
-    run_pair("indexer_qk_rope_quant_and_cache", dq.indexer_qk_rope_quant_and_cache, a, mode, _cid(c), oob=c["oob"])
+    return a
 
 
 # ---- §7.2 -----------------------------------------------------------------------------------------------
