@@ -180,7 +180,8 @@ def build_indexer_case(c) -> dict:
         pos[1], pos[2] = -3, 10 ** 6          # clamped into [0, max_pos) and flagged
         a["positions"] = pos
     s = a["slot_mapping"].clone()
-    if c["T"] >= 4:
+    if c["T"] >= 4:   # token 3 takes slot 0; a token that already had it takes token 3's slot (slots stay
+        s[s == 0] = s[3].item()   # distinct: with a duplicate the last writer is unspecified on a GPU)
         s[3] = 0
     if c["oob"]:
         s = _set_oob(s, cap)
