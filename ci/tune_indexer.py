@@ -26,7 +26,7 @@ for v in variants:
             sets = [tt.make_indexer(T=T, H=64, mode=mode, device="cuda", seed=s, extra_pages=0)
                     for s in range(4 if T >= 1024 else 1)]
             a0 = sets[0]
-            moved = (sum(bench._nbytes(a0[k]) for k in ("q", "k", "weights", "q_out", "weights_out", "q_scale_out"))
+            moved = (sum(bench._nbytes(a0.get(k)) for k in ("q", "k", "weights", "q_out", "weights_out", "q_scale_out"))
                      + 16 * T + (132 if mode == "fp8" else 68) * T)
             sec = bench.time_graph(lambda a: op(**a, backend=backend), sets, 100 if T <= 64 else 20)
             print(f"| {backend} | {v} | {mode} | {T} | {sec * 1e6:.2f} | {100 * moved / sec / 1e9 / bw:.1f} |", flush=True)
