@@ -54,3 +54,75 @@ def run_workers(script: Path, shards: list[list[str]], prefix: str, timeout: int
             for k in shards[w]:
                 results.setdefault(k, dict(error=f"worker {w} died (rc {p.returncode}):\n{tail}"))
     return results
+
+
+# ---- inside a worker (TRITON_INTERPRET=1) ----------------------------------------------------------------
+def run_cases(cases_path: str, out_path: str, cases: dict, run_case) -> None:
+    """The worker loop: run_case(cases[id]) for each id in cases_path (JSON list), results to out_path."""
+    import time
+    import traceback
+    import warnings
+
+    import numpy as np
+    warnings.filterwarnings("ignore")
+    np.seterr(all="ignore")
+    results = {}
+    for cid in json.loads(Path(cases_path).read_text()):
+        t0 = time.time()
+        try:
+            res = run_case(cases[cid])
+        except Exception:
+            res = dict(error=traceback.format_exc()[-3000:])
+        res["seconds"] = time.time() - t0
+        results[cid] = res
+        print(f"{cid}: {json.dumps(res)[:300]}", flush=True)
+    Path(out_path).write_text(json.dumps(results))
+
+
+def torch_dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def clone_args(args):
+    import torch
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def as_bytes(t):
+    import torch
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8)
+
+
+class Tally:
+    """Byte comparisons of one case: eq(name, reference tensor, triton tensor), check(ok, note), result()."""
+
+    def __init__(self):
+        self.compared = 0
+        self.mismatches = 0
+        self.detail = []
+        self.checks_failed = []
+
+    def eq(self, name, a, b):
+        import torch
+        ab, bb = as_bytes(a), as_bytes(b)
+        if ab.shape != bb.shape:
+            self.mismatches += max(ab.numel(), bb.numel())
+            self.detail.append(f"{name}: shapes {tuple(a.shape)} vs {tuple(b.shape)}")
+            return
+        self.compared += ab.numel()
+        bad = int((ab != bb).sum())
+        if bad:
+            self.mismatches += bad
+            idx = torch.nonzero(ab != bb).reshape(-1)[:6].tolist()
+            self.detail.append(f"{name}: {bad} bytes, first at {idx}: ref {ab[idx].tolist()} triton {bb[idx].tolist()}")
+
+    def check(self, ok, note):
+        if not ok:
+            self.checks_failed.append(note)
+
+    def result(self):
+        return dict(compared=self.compared, mismatches=self.mismatches, detail="; ".join(self.detail)[:2000],
+                    checks_failed=self.checks_failed, error=None)

@@ -21,15 +21,13 @@ Two kinds of cases:
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from interp_workers import run_workers, selected_case_ids
+from interp_workers import Tally, as_bytes, clone_args, run_cases, run_workers, selected_case_ids, torch_dtype
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -220,12 +218,6 @@ if __name__ != "__main__":
 # =====================================================================================================
 def _worker_main(cases_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "the worker must run with TRITON_INTERPRET=1"
-    import traceback
-    import warnings
-
-    import numpy as np
-    warnings.filterwarnings("ignore")
-    np.seterr(all="ignore")
 
     # the fmt kernels below are nested functions: the interpreter resolves their names in this module's globals
     global triton, tl, F
@@ -233,65 +225,7 @@ def _worker_main(cases_path: str, out_path: str) -> None:
     import triton.language as tl
     from dsaquant.triton import formats as F
 
-    ids = json.loads(Path(cases_path).read_text())
-    results = {}
-    for cid in ids:
-        t0 = time.time()
-        try:
-            res = run_case(CASES[cid])
-        except Exception:
-            res = dict(error=traceback.format_exc()[-3000:])
-        res["seconds"] = time.time() - t0
-        results[cid] = res
-        print(f"{cid}: {json.dumps(res)[:300]}", flush=True)
-    Path(out_path).write_text(json.dumps(results))
-
-
-def _dt(name):
-    import torch
-    return getattr(torch, name)
-
-
-def _clone(args):
-    import torch
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-
-
-def _bytes(t):
-    import torch
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-class _Tally:
-    def __init__(self):
-        self.compared = 0
-        self.mismatches = 0
-        self.detail = []
-        self.checks_failed = []
-
-    def eq(self, name, a, b):
-        import torch
-        ab, bb = _bytes(a), _bytes(b)
-        if ab.shape != bb.shape:
-            self.mismatches += max(ab.numel(), bb.numel())
-            self.detail.append(f"{name}: shapes {tuple(a.shape)} vs {tuple(b.shape)}")
-            return
-        self.compared += ab.numel()
-        bad = int((ab != bb).sum())
-        if bad:
-            self.mismatches += bad
-            idx = torch.nonzero(ab != bb).reshape(-1)[:6].tolist()
-            self.detail.append(f"{name}: {bad} bytes, first at {idx}: ref {ab[idx].tolist()} triton {bb[idx].tolist()}")
-
-    def check(self, ok, note):
-        if not ok:
-            self.checks_failed.append(note)
-
-    def result(self):
-        return dict(compared=self.compared, mismatches=self.mismatches, detail="; ".join(self.detail)[:2000],
-                    checks_failed=self.checks_failed, error=None)
+    run_cases(cases_path, out_path, CASES, run_case)
 
 
 def _inject(x, which: int):
@@ -330,7 +264,7 @@ def _run_pair(fn, args, tally, out_keys=None, returns=False, oob=False):
         errors.check_errors()
     except errors.DsaquantError:
         pass
-    a_ref, a_tr = _clone(args), _clone(args)
+    a_ref, a_tr = clone_args(args), clone_args(args)
     r_ref = fn(**a_ref, backend="reference")
     ref_flag = int(errors.flag_tensor("cpu").item())
     errors.flag_tensor("cpu").zero_()
@@ -355,17 +289,17 @@ def _case_indexer(c, tally):
     import torch
     import dsaquant as dq
     from dsaquant import testing as tt
-    dtype = _dt(c.get("dtype", "bfloat16"))
+    dtype = torch_dtype(c.get("dtype", "bfloat16"))
     fp8_dtype = torch.float8_e4m3fnuz if c.get("flavour") == "e4m3fnuz" else torch.float8_e4m3fn
     a = tt.make_indexer(T=c["T"], H=c["H"], mode=c["mode"], seed=c["seed"], scale=c["scale"], page_size=c["page"],
                         dtype=dtype, preshuffle=c.get("preshuffle", False), is_neox=c["neox"],
                         scale_fmt=c.get("scale_fmt", "ue8m0"), rounding=c.get("policy", "hardware"),
-                        max_pos=256, compute_all_q_rope=c["all_q"], pos_dtype=_dt(c["pos_dtype"]), fp8_dtype=fp8_dtype)
+                        max_pos=256, compute_all_q_rope=c["all_q"], pos_dtype=torch_dtype(c["pos_dtype"]), fp8_dtype=fp8_dtype)
     T, H = c["T"], c["H"]
     a["q"] = _inject(a["q"], c["special"])
     a["k"] = _inject(a["k"], c["special"] + 2)
     if c.get("cs_dtype"):
-        cos, sin, _ = tt.rope_tables(256, "cpu", _dt(c["cs_dtype"]))
+        cos, sin, _ = tt.rope_tables(256, "cpu", torch_dtype(c["cs_dtype"]))
         a["cos_cache"], a["sin_cache"] = cos, sin
     pos = a["positions"].clone()
     if T >= 2:
@@ -383,16 +317,16 @@ def _case_indexer(c, tally):
         s[0] = cap - 1            # the last slot
     if c.get("oob"):
         s[T - 1] = cap + 3
-    a["slot_mapping"] = s.to(_dt(c["slot_dtype"]))
+    a["slot_mapping"] = s.to(torch_dtype(c["slot_dtype"]))
     if c.get("w_dtype"):
-        a["weights"] = a["weights"].to(_dt(c["w_dtype"]))
+        a["weights"] = a["weights"].to(torch_dtype(c["w_dtype"]))
     if T >= 2:
         w = a["weights"].clone()
         w[1, 0] = float("nan")
         w[1, 1] = float("-inf")
         a["weights"] = w
     if c.get("wo_dtype"):
-        a["weights_out"] = tt.poisoned((T, H), _dt(c["wo_dtype"]), "cpu")
+        a["weights_out"] = tt.poisoned((T, H), torch_dtype(c["wo_dtype"]), "cpu")
     if c.get("strided"):
         a["q"] = _strided_rows(a["q"])
         a["k"] = _strided_rows(a["k"])
@@ -404,7 +338,7 @@ def _case_indexer(c, tally):
     a_ref, a_tr = _run_pair(dq.indexer_qk_rope_quant_and_cache, a, tally, oob=c.get("oob", False))
     # untouched bytes: skipped rows keep the poison in both
     if T >= 3 and not c["all_q"]:
-        tally.check(bool((_bytes(a_tr["q_out"][2]) == tt.POISON).all()), "q_out row of a skipped token was written")
+        tally.check(bool((as_bytes(a_tr["q_out"][2]) == tt.POISON).all()), "q_out row of a skipped token was written")
 
 
 def _case_k_store(c, tally):
@@ -412,30 +346,30 @@ def _case_k_store(c, tally):
     import dsaquant as dq
     from dsaquant import testing as tt
     a = tt.make_k_store(T=c["T"], seed=c["seed"], scale=c["scale"], page_size=c["page"], compress_ratio=c["ratio"],
-                        rounding=c["policy"], max_pos=256, dtype=_dt(c["dtype"]))
+                        rounding=c["policy"], max_pos=256, dtype=torch_dtype(c["dtype"]))
     T = c["T"]
     a["k"] = _inject(a["k"], c["special"])
-    a["norm_weight"] = a["norm_weight"].to(_dt(c["nw_dtype"]))
+    a["norm_weight"] = a["norm_weight"].to(torch_dtype(c["nw_dtype"]))
     pos = a["positions"].clone()
     if T >= 2:
         pos[1] = 255 * 4 + 3      # & ~(r-1), then clamped
     if T >= 3:
         pos[2] = -3
-    a["positions"] = pos.to(_dt(c["pos_dtype"]))
+    a["positions"] = pos.to(torch_dtype(c["pos_dtype"]))
     cap = a["cache"].shape[0] * c["page"]
     s = a["slots"].clone()
     if T == 1:
         s[0] = cap - 1
     if c.get("oob"):
         s[T - 1] = cap
-    a["slots"] = s.to(_dt(c["slot_dtype"]))
+    a["slots"] = s.to(torch_dtype(c["slot_dtype"]))
     if c.get("strided"):
         a["k"] = _strided_rows(a["k"])
         a["slots"] = _strided_vec(a["slots"])
     a_ref, a_tr = _run_pair(dq.index_k_norm_rope_pack_store, a, tally, oob=c.get("oob", False))
     if T >= 3:   # slot 0 (token 1) is reserved: page 0 position 0 keeps the poison
         P = c["page"]
-        flat = _bytes(a_tr["cache"])
+        flat = as_bytes(a_tr["cache"])
         tally.check(bool((flat[:64] == tt.POISON).all()) and bool((flat[64 * P: 64 * P + 4] == tt.POISON).all()),
                     "slot 0 was written")
 
@@ -446,9 +380,9 @@ def _case_q_pack(c, tally):
     from dsaquant import testing as tt
     T, H = c["T"], c["H"]
     a = tt.make_q_pack(T=T, H=H, seed=c["seed"], scale=c["scale"], rounding=c["policy"], max_pos=256,
-                       dtype=_dt(c["dtype"]))
+                       dtype=torch_dtype(c["dtype"]))
     a["q"] = _inject(a["q"], c["special"])
-    a["head_weights"] = a["head_weights"].to(_dt(c["w_dtype"]))
+    a["head_weights"] = a["head_weights"].to(torch_dtype(c["w_dtype"]))
     hw = a["head_weights"].clone()
     if T >= 2:
         hw[1, 0] = float("nan")
@@ -457,7 +391,7 @@ def _case_q_pack(c, tally):
     pos = a["positions"].clone()
     if T >= 2:
         pos[-1] = 4096
-    a["positions"] = pos.to(_dt(c["pos_dtype"]))
+    a["positions"] = pos.to(torch_dtype(c["pos_dtype"]))
     if c.get("strided"):
         a["q"] = _strided_rows(a["q"])
         a["head_weights"] = _strided_2d(a["head_weights"])
@@ -475,7 +409,7 @@ def _case_fake_quant(c, tally):
     import dsaquant as dq
     from dsaquant import testing as tt
     T, H = c["T"], c["H"]
-    dtype = _dt(c["dtype"])
+    dtype = torch_dtype(c["dtype"])
     a = tt.make_q_pack(T=T, H=H or 1, seed=c["seed"], scale=c["scale"], max_pos=256, dtype=dtype)
     x = _inject(a["q"], c["special"])
     if H is None:
@@ -485,7 +419,7 @@ def _case_fake_quant(c, tally):
     pos = a["positions"].clone()
     if T >= 2:
         pos[0] = 300
-    args = dict(x=x, positions=pos.to(_dt(c["pos_dtype"])), freqs=a["freqs"], block=c["block"], scale=c["qscale"],
+    args = dict(x=x, positions=pos.to(torch_dtype(c["pos_dtype"])), freqs=a["freqs"], block=c["block"], scale=c["qscale"],
                 compress_ratio=c["ratio"], out=tt.poisoned(tuple(x.shape), dtype, "cpu"))
 
     def fn(out, backend, **kw):
@@ -499,19 +433,19 @@ def _case_v4_k(c, tally):
     from dsaquant import testing as tt
     T = c["T"]
     a = tt.make_v4_k(T=T, seed=c["seed"], scale=c["scale"], page_size=c["page"], hadamard=c["hadamard"],
-                     rounding=c["policy"], layout=c["layout"], max_pos=256, dtype=_dt(c["dtype"]))
+                     rounding=c["policy"], layout=c["layout"], max_pos=256, dtype=torch_dtype(c["dtype"]))
     kv = _inject(a["kv"], c["special"])
     if c.get("three_d"):
         other = torch.randn(T, 128).to(kv.dtype)
         kv = torch.stack((kv, other), dim=1)             # [T, 2, 128]: head 0 is written
     a["kv"] = kv
-    a["norm_weight"] = a["norm_weight"].to(_dt(c["nw_dtype"]))
-    cos, sin, _ = tt.rope_tables(256, "cpu", _dt(c["cs_dtype"]))
+    a["norm_weight"] = a["norm_weight"].to(torch_dtype(c["nw_dtype"]))
+    cos, sin, _ = tt.rope_tables(256, "cpu", torch_dtype(c["cs_dtype"]))
     a["cos_cache"], a["sin_cache"] = cos, sin
     pos = a["positions"].clone()
     if T >= 2:
         pos[1] = 999
-    a["positions"] = pos.to(_dt(c["pos_dtype"]))
+    a["positions"] = pos.to(torch_dtype(c["pos_dtype"]))
     cap = a["kv_cache"].shape[0] * (c["page"] if c["layout"] == "aiter_fp4" else 1)
     s = a["slot_mapping"].clone()
     if T == 1:
@@ -521,12 +455,12 @@ def _case_v4_k(c, tally):
         s[2] = -5
     if c.get("oob"):
         s[T - 1] = cap + 1
-    a["slot_mapping"] = s.to(_dt(c["slot_dtype"]))
+    a["slot_mapping"] = s.to(torch_dtype(c["slot_dtype"]))
     _run_pair(dq.rmsnorm_rope_rotate_fp4quant_kvcache, a, tally, oob=c.get("oob", False))
 
 
 def run_case(c):
-    tally = _Tally()
+    tally = Tally()
     op = c["op"]
     if op == "fmt":
         _FMT[c["name"]](tally)

@@ -35,13 +35,11 @@ Cases:
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
-from interp_workers import run_workers, selected_case_ids
+from interp_workers import Tally, as_bytes, clone_args, run_cases, run_workers, selected_case_ids, torch_dtype
 
 HERE = Path(__file__).resolve()
 
@@ -272,12 +270,6 @@ if __name__ != "__main__":
 # =====================================================================================================
 def _worker_main(cases_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "the worker must run with TRITON_INTERPRET=1"
-    import traceback
-    import warnings
-
-    import numpy as np
-    warnings.filterwarnings("ignore")
-    np.seterr(all="ignore")
 
     # the fmt kernels below are nested functions: the interpreter resolves their names in this module's globals
     global triton, tl, F, C
@@ -286,65 +278,7 @@ def _worker_main(cases_path: str, out_path: str) -> None:
     from dsaquant.triton import compress as C
     from dsaquant.triton import formats as F
 
-    ids = json.loads(Path(cases_path).read_text())
-    results = {}
-    for cid in ids:
-        t0 = time.time()
-        try:
-            res = run_case(CASES[cid])
-        except Exception:
-            res = dict(error=traceback.format_exc()[-3000:])
-        res["seconds"] = time.time() - t0
-        results[cid] = res
-        print(f"{cid}: {json.dumps(res)[:300]}", flush=True)
-    Path(out_path).write_text(json.dumps(results))
-
-
-def _dt(name):
-    import torch
-    return getattr(torch, name)
-
-
-def _clone(args):
-    import torch
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-
-
-def _bytes(t):
-    import torch
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-class _Tally:
-    def __init__(self):
-        self.compared = 0
-        self.mismatches = 0
-        self.detail = []
-        self.checks_failed = []
-
-    def eq(self, name, a, b):
-        import torch
-        ab, bb = _bytes(a), _bytes(b)
-        if ab.shape != bb.shape:
-            self.mismatches += max(ab.numel(), bb.numel())
-            self.detail.append(f"{name}: shapes {tuple(a.shape)} vs {tuple(b.shape)}")
-            return
-        self.compared += ab.numel()
-        bad = int((ab != bb).sum())
-        if bad:
-            self.mismatches += bad
-            idx = torch.nonzero(ab != bb).reshape(-1)[:6].tolist()
-            self.detail.append(f"{name}: {bad} bytes, first at {idx}: ref {ab[idx].tolist()} triton {bb[idx].tolist()}")
-
-    def check(self, ok, note):
-        if not ok:
-            self.checks_failed.append(note)
-
-    def result(self):
-        return dict(compared=self.compared, mismatches=self.mismatches, detail="; ".join(self.detail)[:2000],
-                    checks_failed=self.checks_failed, error=None)
+    run_cases(cases_path, out_path, CASES, run_case)
 
 
 def _flag():
@@ -359,7 +293,7 @@ def _run_pair(fn, args, tally, want_flag=0):
     and the device error flag (which must also equal `want_flag`)."""
     import torch
     _flag()
-    a_ref, a_tr = _clone(args), _clone(args)
+    a_ref, a_tr = clone_args(args), clone_args(args)
     fn(**a_ref, backend="reference")
     ref_flag = _flag()
     fn(**a_tr, backend="triton")
@@ -400,17 +334,17 @@ def _compress_args(c, starts=None, lens=None):
     from dsaquant import testing as tt
     knobs = dict(FP4_MODES[c["mode"]])
     if "fp8_cache_dtype" in knobs:
-        knobs["fp8_cache_dtype"] = _dt(knobs["fp8_cache_dtype"])
+        knobs["fp8_cache_dtype"] = torch_dtype(knobs["fp8_cache_dtype"])
     if c.get("page"):
         knobs["page_size"] = c["page"]
     cs = c.get("cs", "bfloat16")
     a = tt.make_compress_kv(starts=starts or c["starts"], lens=lens or c["lens"], ratio=c["ratio"],
                             overlap=c.get("overlap"), D=c.get("D", 128), seed=c["seed"],
-                            dtype=_dt(c.get("dtype", "float32")), hadamard=c.get("hadamard", False),
+                            dtype=torch_dtype(c.get("dtype", "float32")), hadamard=c.get("hadamard", False),
                             bf16_after=c.get("points", DEF_POINTS), update_state=c.get("update", True),
                             scale=c.get("scale", 1.0), score_scale=c.get("score_scale", 1.0),
-                            cs_dtype=_dt("float32" if cs == "freqs" else cs), use_freqs=cs == "freqs",
-                            nw_dtype=_dt(c.get("nw", "float32")), max_pos=c.get("max_pos", 4096),
+                            cs_dtype=torch_dtype("float32" if cs == "freqs" else cs), use_freqs=cs == "freqs",
+                            nw_dtype=torch_dtype(c.get("nw", "float32")), max_pos=c.get("max_pos", 4096),
                             negatives=c.get("negatives", True), **knobs)
     return a
 
@@ -476,7 +410,7 @@ def _case_compress(c, tally):
             want |= errors.POSITION_OUT_OF_RANGE
     with _launch(c.get("launch", "auto")):
         a_ref, a_tr = _run_pair(dq.compress_kv, a, tally, want)
-    poison = _bytes(a_tr["cache"]) == tt.POISON
+    poison = as_bytes(a_tr["cache"]) == tt.POISON
     tally.check(not bool(poison.all()) or not bnd, "nothing was written to the cache")
 
 
@@ -485,7 +419,7 @@ def _feed(a, chunks, backend, ratio):
     ring score)."""
     import torch
     import dsaquant as dq
-    b = _clone(a)
+    b = clone_args(a)
     kv, sc, outs = a["kv"], a["score"], a["out_slots"]
     pos = 0
     for n in chunks:
@@ -517,7 +451,7 @@ def _case_chunk(c, tally):
             tally.eq(f"{name}: cache_scale", ref[1], got[1])
         tally.eq(f"{name}: ring kv rows", ref[2][slot, rows], got[2][slot, rows])
         tally.eq(f"{name}: ring score rows", ref[3][slot, rows], got[3][slot, rows])
-    tally.check(not bool((_bytes(ref[0]) == 0xA5).all()), "nothing was written to the cache")
+    tally.check(not bool((as_bytes(ref[0]) == 0xA5).all()), "nothing was written to the cache")
     _flag()
 
 
@@ -527,7 +461,7 @@ def _case_same(c, tally):
     import dsaquant as dq
     a = _compress_args(dict(op="compress", ratio=4, starts=(5, 0, 17), lens=(30, 9, 14), dtype="bfloat16",
                             mode=c["mode"], seed=c["seed"]))
-    b = _clone(a)
+    b = clone_args(a)
     b["kv"], b["score"] = a["kv"].float(), a["score"].float()
     dq.compress_kv(**a, backend="triton")
     dq.compress_kv(**b, backend="triton")
@@ -540,11 +474,11 @@ def _case_same(c, tally):
 def _rr_args(c):
     import torch
     from dsaquant import testing as tt
-    dtype = _dt(c["dtype"])
+    dtype = torch_dtype(c["dtype"])
     a = tt.make_rope_rotate_quant(T=c["T"], H=c["H"], D=c["D"], out=c["out"], seed=c["seed"], dtype=dtype,
-                                  cs_dtype=_dt(c["cs"]) if c.get("cs") else None, group_size=c["group"],
+                                  cs_dtype=torch_dtype(c["cs"]) if c.get("cs") else None, group_size=c["group"],
                                   shuffle_scale=c["shuffle"], hadamard=c["hadamard"], rounding=c["rounding"],
-                                  max_pos=64, pos_dtype=_dt(c.get("pos", "int64")))
+                                  max_pos=64, pos_dtype=torch_dtype(c.get("pos", "int64")))
     if c.get("special"):                        # D = 128: the shared special rows (tokens 0..5, every head)
         a["x"] = tt.special_rows(a["x"], c["seed"])
     if c.get("strided_x"):
@@ -592,7 +526,7 @@ def _case_rr_reject(c, tally):
     if c["dtype"] == "fp16_for_bf16":
         out = tt.poisoned((2, 16, 128), torch.float16, "cpu")
     else:
-        out = tt.poisoned((2, 16, 128), _dt(c["dtype"]), "cpu")
+        out = tt.poisoned((2, 16, 128), torch_dtype(c["dtype"]), "cpu")
     a["out"] = out
     for how in ("op", "backend function"):
         try:
@@ -608,7 +542,7 @@ def _case_rr_reject(c, tally):
 
 
 def run_case(c):
-    tally = _Tally()
+    tally = Tally()
     op = c["op"]
     if op == "fmt":
         _FMT[c["name"]](tally)

@@ -162,27 +162,8 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
     log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s")
     backends = backends or [b for b in ("cuda", "triton", "reference") if dispatch.available(b)[0]]
     rows = []
-    for T in tokens:
-        for label, op, fn, make, nbytes in cases(T, heads):
-            sets = [make(s) for s in range(4 if T >= 1024 else 1)]
-            moved = nbytes(sets[0])
-            for b in backends:
-                if op not in dispatch.ops_of(b):
-                    continue
-                call = (lambda a, b=b, fn=fn: fn(**a, backend=b))
-                try:
-                    if b != "reference":
-                        n = graph_calls if T <= 64 else 20
-                        sec, how = time_graph(call, sets, n), f"graph x{n}"
-                    else:
-                        sec, how = time_calls(call, sets), "events"
-                except Exception as e:  # report, keep benchmarking the rest
-                    log(f"  {label} T={T} {b}: failed: {type(e).__name__}: {e}")
-                    continue
-                gbs = moved / sec / 1e9
-                rows.append(dict(op=label, tokens=T, heads=heads, backend=b, us=sec * 1e6, gb_s=gbs,
-                                 pct_copy=100 * gbs / bw, bytes=moved, timing=how))
-    for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
+
+    def bench_case(label, T, op, fn, make, nbytes, row_heads):
         sets = [make(s) for s in range(4 if T >= 1024 else 1)]
         moved = nbytes(sets[0])
         for b in backends:
@@ -196,11 +177,17 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
                 else:
                     sec, how = time_calls(call, sets), "events"
             except Exception as e:  # report, keep benchmarking the rest
-                log(f"  {label} {b}: failed: {type(e).__name__}: {e}")
+                log(f"  {label} T={T} {b}: failed: {type(e).__name__}: {e}")
                 continue
             gbs = moved / sec / 1e9
-            rows.append(dict(op=label, tokens=T, heads=heads if op == "rope_rotate_quant" else None, backend=b,
-                             us=sec * 1e6, gb_s=gbs, pct_copy=100 * gbs / bw, bytes=moved, timing=how))
+            rows.append(dict(op=label, tokens=T, heads=row_heads, backend=b, us=sec * 1e6, gb_s=gbs,
+                             pct_copy=100 * gbs / bw, bytes=moved, timing=how))
+
+    for T in tokens:
+        for label, op, fn, make, nbytes in cases(T, heads):
+            bench_case(label, T, op, fn, make, nbytes, heads)
+    for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
+        bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None)
     scorer_rows = []
     if "triton" in backends:
         try:
