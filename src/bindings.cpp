@@ -128,6 +128,12 @@ void fp8_selfcheck(uint64_t start, uint64_t count, uint64_t out, uint64_t stream
         "fp8_selfcheck");
 }
 
+void exp_ds(uint64_t x, uint64_t y, int64_t n, uint64_t stream) {
+  check(dsq_exp_ds_launch(reinterpret_cast<const float*>(static_cast<uintptr_t>(x)),
+                          reinterpret_cast<float*>(static_cast<uintptr_t>(y)), n, stream_of(stream)),
+        "exp_ds");
+}
+
 }  // namespace
 
 #ifndef DSQ_MODULE_NAME
@@ -143,4 +149,6 @@ PYBIND11_MODULE(DSQ_MODULE_NAME, m) {
   m.def("rope_rotate_quant", &rope_rotate_quant, "SPEC §7.7", py::arg("args"), py::arg("stream"));
   m.def("fp8_selfcheck", &fp8_selfcheck, "hardware vs software e4m3fn encoder over fp32 patterns [start, start+count)",
         py::arg("start"), py::arg("count"), py::arg("out_ptr"), py::arg("stream"));
+  m.def("exp_ds", &exp_ds, "SPEC §0.7 exp_ds of n fp32 values (device pointers x -> y)", py::arg("x_ptr"),
+        py::arg("y_ptr"), py::arg("n"), py::arg("stream"));
 }

@@ -1,7 +1,8 @@
 // kernels/cuda/selfcheck.cu: on-device checks of the hardware paths against the header's software
 // definitions, for the fp32 bit patterns [start, start + count): fp8_encode2 (the e4m3fn convert on
 // sm_89+) vs fp8_encode2_software, and round_bf16 / round_fp16 (cvt.rn on sm_80+) vs their software
-// forms. The mismatches are added to *out.
+// forms. The mismatches are added to *out. Also exp_ds (SPEC §0.7) of an fp32 array, so that the header's
+// exp_ds can be held to its golden vectors on the GPU itself (tests/gpu/test_v4_gpu.py).
 #include "indexer.h"
 #include "row16.cuh"
 
@@ -21,7 +22,17 @@ __global__ void fp8_selfcheck_kernel(uint64_t start, uint64_t count, unsigned lo
   if ((threadIdx.x & 31) == 0 && bad) atomicAdd(out, bad);
 }
 
+__global__ void __launch_bounds__(256) exp_ds_kernel(const float* x, float* y, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] = exp_ds(x[i]);
+}
+
 }  // namespace dsqk
+
+int dsq_exp_ds_launch(const float* x, float* y, int64_t n, cudaStream_t stream) {
+  if (n > 0) dsqk::exp_ds_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(x, y, n);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int dsq_fp8_selfcheck_launch(uint64_t start, uint64_t count, unsigned long long* out, cudaStream_t stream) {
   dsqk::fp8_selfcheck_kernel<<<1024, 256, 0, stream>>>(start, count, out);

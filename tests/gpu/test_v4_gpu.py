@@ -307,6 +307,27 @@ def test_exp_ds_golden_reference_on_gpu():
     assert torch.equal(got, want), [(float(v), hex(int(a)), hex(int(b))) for v, a, b in zip(x, got, want) if a != b]
 
 
+def test_exp_ds_cuda_on_gpu():
+    """The shared header's exp_ds (the cuda backend's) on the GPU: golden vectors and 2^20 points of [-104, 0]."""
+    if not dispatch.available("cuda")[0]:
+        pytest.skip(dispatch.available("cuda")[1])
+    from dsaquant import _cuda
+    from dsaquant.reference.arith import exp_ds
+    if not hasattr(_cuda, "exp_ds"):
+        pytest.skip("this build of the cuda module has no exp_ds entry")
+    x, want = _golden()
+    g = torch.Generator().manual_seed(1)
+    xs = torch.cat([x, -torch.rand(1 << 20, generator=g) * 104,
+                    torch.tensor([0.0, -0.0, -1e-45, -110.0, -1e30, float("inf"), float("nan")])]).to(DEV)
+    out = torch.empty_like(xs)
+    _cuda.exp_ds(xs.data_ptr(), out.data_ptr(), xs.numel(), torch.cuda.current_stream().cuda_stream)
+    got = out.cpu().view(torch.int32)
+    ref = exp_ds(xs.cpu()).view(torch.int32)
+    bad = int((got[: x.numel()] != want).sum()) + int((got != ref).sum())
+    record("cuda", "exp_ds", 4 * (x.numel() + xs.numel()), 4 * bad)
+    assert bad == 0
+
+
 if dispatch.available("triton")[0]:
     import triton
     import triton.language as tl
