@@ -204,8 +204,8 @@ def _has_target(kind: str) -> str:
 
 
 def target_modes(target):
-    """The code paths a launch on that GPU takes (quant._modes on a real device): NATIVE everywhere,
-    HW_FP8 on NVIDIA sm_89+ (for e4m3fn launches; quant._modes drops it for other flavours)."""
+    """The code paths a launch on that GPU takes (quant.launch_modes on a real device): NATIVE everywhere,
+    HW_FP8 on NVIDIA sm_89+ (for e4m3fn launches; quant.launch_modes drops it for other flavours)."""
     return dict(NATIVE=True, HW_FP8=target.backend == "cuda" and int(target.arch) >= 89)
 
 

@@ -44,7 +44,7 @@ from . import formats as F
 from .formats import (KIND_BF16, KIND_F32, amax_tile, as_bits, canon_nan, cast_for_store, exp_ds,
                       fake_quant_ue8m0_tile, fake_quant_values, fp4_quant_tile, fp8_group_quant, hadamard_row,
                       load_f32, pow2, pow2_inv, rms_norm_row, rope_tail_row, round_bf16, ue8m0_pack)
-from .quant import POLICY_IDS, _f32, _kind, _modes, _u8
+from .quant import POLICY_IDS, as_f32, as_u8, launch_modes, tensor_kind
 
 SLOT_ERR: tl.constexpr = tl.constexpr(errors.SLOT_OUT_OF_RANGE)
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
@@ -436,25 +436,25 @@ def prepare_compress(kv, score, ape, state_kv, state_score, state_slot, cu_seqle
     B = state_slot.shape[0]
     fp8 = quant_mode == "fp8"
     flavour = fp8_flavour if fp8 else "e4m3fn"
-    md = _modes(kv.device, flavour if fp8 else None, modes)
+    md = launch_modes(kv.device, flavour if fp8 else None, modes)
     nat = md["NATIVE"]
     rows, tb, cw, warps = launch_config(K, D, T, ratio)
-    kvv, kind = _kind(kv, nat)
-    scv, _ = _kind(score, nat)
-    nwv, nw_kind = _kind(norm_weight, nat)
+    kvv, kind = tensor_kind(kv, nat)
+    scv, _ = tensor_kind(score, nat)
+    nwv, nw_kind = tensor_kind(norm_weight, nat)
     if freqs is not None:
         cv, sv, s_cos, s_sin, cs_kind, max_pos = freqs, freqs, freqs.stride(0), freqs.stride(0), KIND_F32.value, \
             freqs.shape[0]
     else:
-        cv, cs_kind = _kind(cos_cache, nat)
-        sv, _ = _kind(sin_cache, nat)
+        cv, cs_kind = tensor_kind(cos_cache, nat)
+        sv, _ = tensor_kind(sin_cache, nat)
         s_cos, s_sin, max_pos = cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0]
-    cache_v = cache.view(torch.int16) if quant_mode in ("none", "fp4_sim") else _u8(cache)
-    cscale_v = _u8(cache_scale) if cache_scale is not None else cache_v
+    cache_v = cache.view(torch.int16) if quant_mode in ("none", "fp4_sim") else as_u8(cache)
+    cscale_v = as_u8(cache_scale) if cache_scale is not None else cache_v
     bias, fmax, _ = F.fp8_consts(flavour)
     points = sum(POINT_BITS[n] for n in set(bf16_after))
     args = _common(kvv, scv, ape, state_kv, state_score, state_slot, cu_seqlens, start_pos)
-    args += [nwv, norm_weight.stride(0), _f32(epsilon), cv, sv, s_cos, s_sin, max_pos, out_slots, out_slots.stride(0),
+    args += [nwv, norm_weight.stride(0), as_f32(epsilon), cv, sv, s_cos, s_sin, max_pos, out_slots, out_slots.stride(0),
              cache_v, cscale_v, T, B, max(1, B.bit_length()), state_kv.shape[0], state_kv.shape[1],
              cache.shape[0] * page_size, page_size, errors.flag_tensor(kv.device), points, int(bool(hadamard_on)),
              int(scale_fmt == "ue8m0"), int(bool(preshuffle))]
@@ -472,13 +472,13 @@ def prepare_state(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens,
     T, C = kv.shape
     K = ratio * (2 if overlap else 1)
     B = state_slot.shape[0]
-    md = _modes(kv.device, None, modes)
+    md = launch_modes(kv.device, None, modes)
     nat = md["NATIVE"]
     if kv.dtype == torch.bfloat16:
         kvb, kind = kv.view(torch.int16), KIND_BF16.value
     else:
         kvb, kind = kv.view(torch.int32), KIND_F32.value
-    scv, _ = _kind(score, nat)
+    scv, _ = tensor_kind(score, nat)
     rows = max(1, STATE_ELEMS // C)
     args = _common(kvb, scv, ape, state_kv.view(torch.int32), state_score, state_slot, cu_seqlens, start_pos)
     args += [T, B, state_kv.shape[0], state_kv.shape[1]]

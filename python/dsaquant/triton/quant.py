@@ -543,7 +543,7 @@ NATIVE_ENABLED = os.environ.get("DSAQUANT_TRITON_NATIVE", "1") != "0"
 HW_FP8_ENABLED = os.environ.get("DSAQUANT_TRITON_HW_FP8", "1") != "0"
 
 
-def _modes(device: torch.device, fp8_flavour=None, modes=None):
+def launch_modes(device: torch.device, fp8_flavour=None, modes=None):
     """{'NATIVE': bool, 'HW_FP8': bool} for launches on `device` (`modes` overrides, e.g. for AOT compiles)."""
     native = device.type != "cpu" and NATIVE_ENABLED
     hw = False
@@ -557,7 +557,7 @@ def _modes(device: torch.device, fp8_flavour=None, modes=None):
     return out
 
 
-def _kind(t: torch.Tensor, native: bool, output: bool = False):
+def tensor_kind(t: torch.Tensor, native: bool, output: bool = False):
     """(tensor to pass, dtype kind). bf16 inputs go as int16 views unless `native`; bf16 outputs always do
     (their bits are computed in the kernel)."""
     if t.dtype == torch.bfloat16:
@@ -569,11 +569,11 @@ def _kind(t: torch.Tensor, native: bool, output: bool = False):
     raise TypeError(f"unsupported float dtype {t.dtype}")
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
+def as_u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _f32(v: float) -> float:
+def as_f32(v: float) -> float:
     """Round a Python float to fp32 once (reference to_f32_scalar: nearest even, Inf on overflow)."""
     with np.errstate(over="ignore"):
         return float(np.float32(v))
@@ -592,30 +592,30 @@ def prepare_indexer(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, n
     T, H, _ = q.shape
     fp4 = q_scale_out is not None
     flavour = "e4m3fn" if fp4 else fp8_flavour
-    md = _modes(q.device, None if fp4 else flavour, modes)
+    md = launch_modes(q.device, None if fp4 else flavour, modes)
     nat = md["NATIVE"]
     bq, wq = LAUNCH["indexer_q"]
     bk, _ = LAUNCH["indexer_k"]
     n_q = triton.cdiv(T * H, bq)
     n_k = triton.cdiv(T, bk)
-    qv, x_kind = _kind(q, nat)
-    kvv, _ = _kind(k, nat)
-    wv, w_kind = _kind(weights, nat)
-    wov, wo_kind = _kind(weights_out, nat, output=True)
-    cv, cs_kind = _kind(cos_cache, nat)
-    sv, _ = _kind(sin_cache, nat)
-    nwv, nw_kind = _kind(norm_weight, nat)
-    nbv, nb_kind = _kind(norm_bias, nat)
+    qv, x_kind = tensor_kind(q, nat)
+    kvv, _ = tensor_kind(k, nat)
+    wv, w_kind = tensor_kind(weights, nat)
+    wov, wo_kind = tensor_kind(weights_out, nat, output=True)
+    cv, cs_kind = tensor_kind(cos_cache, nat)
+    sv, _ = tensor_kind(sin_cache, nat)
+    nwv, nw_kind = tensor_kind(norm_weight, nat)
+    nbv, nb_kind = tensor_kind(norm_bias, nat)
     bias, fmax, inv_fmax = F.fp8_consts(flavour)
-    qs = _u8(q_scale_out) if fp4 else _u8(q_out)
-    kvs = _u8(kv_cache_scale) if fp4 else _u8(kv_cache)
+    qs = as_u8(q_scale_out) if fp4 else as_u8(q_out)
+    kvs = as_u8(kv_cache_scale) if fp4 else as_u8(kv_cache)
     qs_pad = q_scale_out.shape[-1] if fp4 else 4
     capacity = kv_cache.shape[0] * page_size
     args = [qv, q.stride(0), q.stride(1), kvv, k.stride(0), wv, weights.stride(0), weights.stride(1),
-            wov, weights_out.stride(0), weights_out.stride(1), _u8(q_out), qs, _u8(kv_cache), kvs,
+            wov, weights_out.stride(0), weights_out.stride(1), as_u8(q_out), qs, as_u8(kv_cache), kvs,
             slot_mapping, slot_mapping.stride(0), positions, positions.stride(0),
             nwv, norm_weight.stride(0), nbv, norm_bias.stride(0), cv, sv, cos_cache.stride(0), sin_cache.stride(0),
-            cos_cache.shape[0], _f32(epsilon), _f32(weights_scale), T, H, n_q, capacity, page_size, qs_pad,
+            cos_cache.shape[0], as_f32(epsilon), as_f32(weights_scale), T, H, n_q, capacity, page_size, qs_pad,
             errors.flag_tensor(q.device), int(scale_fmt == "ue8m0" or fp4), int(bool(preshuffle)),
             int(bool(compute_all_q_rope))]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, WO_KIND=wo_kind, CS_KIND=cs_kind, NW_KIND=nw_kind, NB_KIND=nb_kind,
@@ -639,13 +639,13 @@ def indexer_qk_rope_quant_and_cache(q, q_out, weights, weights_out, k, kv_cache,
 def prepare_k_store(k, norm_weight, eps, positions, freqs, slots, cache, compress_ratio, rounding, page_size,
                     modes=None):
     T = k.shape[0]
-    md = _modes(k.device, None, modes)
+    md = launch_modes(k.device, None, modes)
     nat = md["NATIVE"]
     block, warps = LAUNCH["k_store"]
-    kv, x_kind = _kind(k, nat)
-    nwv, nw_kind = _kind(norm_weight, nat)
-    args = [kv, k.stride(0), nwv, norm_weight.stride(0), _f32(eps), positions, positions.stride(0), freqs,
-            freqs.stride(0), freqs.shape[0], slots, slots.stride(0), _u8(cache), T, cache.shape[0] * page_size,
+    kv, x_kind = tensor_kind(k, nat)
+    nwv, nw_kind = tensor_kind(norm_weight, nat)
+    args = [kv, k.stride(0), nwv, norm_weight.stride(0), as_f32(eps), positions, positions.stride(0), freqs,
+            freqs.stride(0), freqs.shape[0], slots, slots.stride(0), as_u8(cache), T, cache.shape[0] * page_size,
             page_size, errors.flag_tensor(k.device), int(compress_ratio)]
     consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat)
     return _k_store_v41_kernel, (triton.cdiv(T, block),), args, consts, warps
@@ -662,13 +662,13 @@ def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, c
 def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, payload_out, exps_out, weights_out,
                    modes=None):
     T, H, _ = q.shape
-    md = _modes(q.device, None, modes)
+    md = launch_modes(q.device, None, modes)
     nat = md["NATIVE"]
     block, warps = LAUNCH["q_pack"]
-    qv, x_kind = _kind(q, nat)
-    wv, w_kind = _kind(head_weights, nat)
+    qv, x_kind = tensor_kind(q, nat)
+    wv, w_kind = tensor_kind(head_weights, nat)
     args = [qv, q.stride(0), q.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
-            wv, head_weights.stride(0), head_weights.stride(1), _f32(weight_scale), payload_out, exps_out,
+            wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, exps_out,
             weights_out, T, H, errors.flag_tensor(q.device)]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat)
     return _q_pack_v41_kernel, (triton.cdiv(T * H, block),), args, consts, warps
@@ -686,11 +686,11 @@ def index_q_rope_pack_weights(q, positions, freqs, head_weights, weight_scale, r
 def prepare_fake_quant(x, positions, freqs, block, scale, compress_ratio, out, modes=None):
     T = x.shape[0]
     H = x.shape[1] if x.dim() == 3 else 1
-    md = _modes(x.device, None, modes)
+    md = launch_modes(x.device, None, modes)
     nat = md["NATIVE"]
     blk, warps = LAUNCH["fake_quant"]
-    xv, x_kind = _kind(x, nat)
-    ov, _ = _kind(out, nat, output=True)
+    xv, x_kind = tensor_kind(x, nat)
+    ov, _ = tensor_kind(out, nat, output=True)
     args = [xv, x.stride(0), x.stride(1) if x.dim() == 3 else 0, positions, positions.stride(0), freqs,
             freqs.stride(0), freqs.shape[0], ov, T, H, errors.flag_tensor(x.device), int(compress_ratio)]
     consts = dict(X_KIND=x_kind, E4M3=(scale == "e4m3"), BLOCK=blk, NATIVE=nat)
@@ -709,18 +709,18 @@ def rope_fake_quant_fp4(x, positions, freqs, block, scale, compress_ratio, out):
 def prepare_v4_k(kv, norm_weight, epsilon, positions, cos_cache, sin_cache, slot_mapping, kv_cache,
                  kv_cache_scale, hadamard_on, rounding, layout, page_size, modes=None):
     T = kv.shape[0]
-    md = _modes(kv.device, None, modes)
+    md = launch_modes(kv.device, None, modes)
     nat = md["NATIVE"]
     block, warps = LAUNCH["v4_k"]
-    xv, x_kind = _kind(kv, nat)
-    nwv, nw_kind = _kind(norm_weight, nat)
-    cv, cs_kind = _kind(cos_cache, nat)
-    sv, _ = _kind(sin_cache, nat)
+    xv, x_kind = tensor_kind(kv, nat)
+    nwv, nw_kind = tensor_kind(norm_weight, nat)
+    cv, cs_kind = tensor_kind(cos_cache, nat)
+    sv, _ = tensor_kind(sin_cache, nat)
     dense = layout != "aiter_fp4"
     capacity = kv_cache.shape[0] if dense else kv_cache.shape[0] * page_size
-    args = [xv, kv.stride(0), nwv, norm_weight.stride(0), _f32(epsilon), positions, positions.stride(0), cv, sv,
+    args = [xv, kv.stride(0), nwv, norm_weight.stride(0), as_f32(epsilon), positions, positions.stride(0), cv, sv,
             cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0], slot_mapping, slot_mapping.stride(0),
-            _u8(kv_cache), _u8(kv_cache_scale), T, capacity, page_size, errors.flag_tensor(kv.device),
+            as_u8(kv_cache), as_u8(kv_cache_scale), T, capacity, page_size, errors.flag_tensor(kv.device),
             int(bool(hadamard_on)), int(dense)]
     consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, POLICY=POLICY_IDS[rounding], BLOCK=block,
                   NATIVE=nat)

@@ -32,7 +32,7 @@ from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
 from . import formats as F
 from .formats import (amax_tile, cast_for_store, fp4_encode_tile, fp8_group_quant, hadamard_row, load_f32,
                       pack_nibbles_row, rope_tail_row, ue8m0_recip)
-from .quant import POLICY_IDS, _kind, _modes, _u8
+from .quant import POLICY_IDS, as_u8, launch_modes, tensor_kind
 
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
 OUT_FP4, OUT_FP8, OUT_HALF = 0, 1, 2
@@ -127,21 +127,21 @@ def prepare_rope_rotate(out, x, cos_cache, sin_cache, positions, rope_dim, out_s
         kind_out, flavour = OUT_HALF, None
     else:
         raise TypeError(f"out: unsupported dtype {out.dtype}")
-    md = _modes(x.device, flavour, modes)
+    md = launch_modes(x.device, flavour, modes)
     nat = md["NATIVE"]
     elems, warps = LAUNCH["rope_rotate"]
     rows = max(1, elems // D)
-    xv, x_kind = _kind(x, nat)
-    cv, cs_kind = _kind(cos_cache, nat)
-    sv, _ = _kind(sin_cache, nat)
+    xv, x_kind = tensor_kind(x, nat)
+    cv, cs_kind = tensor_kind(cos_cache, nat)
+    sv, _ = tensor_kind(sin_cache, nat)
     if kind_out == OUT_HALF:
-        ov, _ = _kind(out, nat, output=True)
+        ov, _ = tensor_kind(out, nat, output=True)
         so = (out.stride(0), out.stride(1), out.stride(2))
         sc = ov
     else:
-        ov = _u8(out)
+        ov = as_u8(out)
         so = (0, 0, 0)
-        sc = out_scale if kind_out == OUT_FP8 else _u8(out_scale)
+        sc = out_scale if kind_out == OUT_FP8 else as_u8(out_scale)
     g = group_size if kind_out != OUT_HALF else D
     qs_pad = out_scale.shape[-1] if (kind_out == OUT_FP4 and shuffle_scale) else 4
     bias, fmax, _ = F.fp8_consts(flavour or "e4m3fn")
