@@ -25,6 +25,34 @@ def selected_case_ids(request, test_file: Path) -> list[str]:
     return sorted(ids)
 
 
+def run_selected(request, test_file: Path, cases: dict, cost, prefix: str, label: str) -> dict:
+    """Run the selected cases of `test_file` in up to 4 interpreter workers, shards balanced by `cost(case)`
+    (greedy: biggest case to the least loaded worker); returns {case_id: result dict}."""
+    selected = sorted(selected_case_ids(request, test_file), key=lambda k: -cost(cases[k]))
+    n_workers = max(1, min(4, os.cpu_count() or 1, len(selected)))
+    shards = [[] for _ in range(n_workers)]
+    loads = [0.0] * n_workers
+    for k in selected:
+        w = loads.index(min(loads))
+        shards[w].append(k)
+        loads[w] += cost(cases[k])
+    results = run_workers(test_file, shards, prefix, 1800)
+    total = sum(r.get("seconds", 0.0) for r in results.values())
+    print(f"\n[{label}] {len(results)} cases, {total:.1f} s of worker time, {n_workers} workers")
+    return results
+
+
+def check_result(case_id: str, r) -> None:
+    """Fail unless the worker's result for case_id compared something and found no differing byte."""
+    import pytest
+    assert r is not None, f"{case_id}: no result from the interpreter worker"
+    assert r.get("error") is None, f"{case_id}: {r['error']}"
+    assert r["compared"] > 0, f"{case_id}: nothing was compared"
+    assert r["mismatches"] == 0, f"{case_id}: {r['mismatches']} of {r['compared']} differ: {r.get('detail')}"
+    for note in r.get("checks_failed", []):
+        pytest.fail(f"{case_id}: {note}")
+
+
 def run_workers(script: Path, shards: list[list[str]], prefix: str, timeout: int) -> dict:
     """Start one interpreter worker per shard of case ids; returns {case_id: result dict}. A worker that
     dies or times out gives each of its cases an `error` entry with the tail of its log."""

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from interp_workers import Tally, as_bytes, clone_args, run_cases, run_workers, selected_case_ids, torch_dtype
+from interp_workers import Tally, as_bytes, check_result, clone_args, run_cases, run_selected, torch_dtype
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -188,29 +188,11 @@ if __name__ != "__main__":
     @pytest.fixture(scope="session")
     def interp_results(request):
         pytest.importorskip("triton")
-        selected = selected_case_ids(request, HERE)
-        selected = sorted(selected, key=lambda k: -_cost(CASES[k]))
-        n_workers = max(1, min(4, os.cpu_count() or 1, len(selected)))
-        shards = [[] for _ in range(n_workers)]
-        loads = [0.0] * n_workers
-        for k in selected:                      # greedy: biggest case to the least loaded worker
-            w = loads.index(min(loads))
-            shards[w].append(k)
-            loads[w] += _cost(CASES[k])
-        results = run_workers(HERE, shards, "dsq_triton_interp_", 1800)
-        total = sum(r.get("seconds", 0.0) for r in results.values())
-        print(f"\n[triton interpreter] {len(results)} cases, {total:.1f} s of worker time, {n_workers} workers")
-        return results
+        return run_selected(request, HERE, CASES, _cost, "dsq_triton_interp_", "triton interpreter")
 
     @pytest.mark.parametrize("case_id", list(CASES))
     def test_triton_matches_reference(case_id, interp_results):
-        r = interp_results.get(case_id)
-        assert r is not None, f"{case_id}: no result from the interpreter worker"
-        assert r.get("error") is None, f"{case_id}: {r['error']}"
-        assert r["compared"] > 0, f"{case_id}: nothing was compared"
-        assert r["mismatches"] == 0, f"{case_id}: {r['mismatches']} of {r['compared']} differ: {r.get('detail')}"
-        for note in r.get("checks_failed", []):
-            pytest.fail(f"{case_id}: {note}")
+        check_result(case_id, interp_results.get(case_id))
 
 
 # =====================================================================================================

@@ -33,7 +33,6 @@ never bytes.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -44,7 +43,7 @@ from . import formats as F
 from .formats import (KIND_BF16, KIND_F32, amax_tile, as_bits, canon_nan, cast_for_store, exp_ds,
                       fake_quant_ue8m0_tile, fake_quant_values, fp4_quant_tile, fp8_group_quant, hadamard_row,
                       load_f32, pow2, pow2_inv, rms_norm_row, rope_tail_row, round_bf16, ue8m0_pack)
-from .quant import POLICY_IDS, as_f32, as_u8, launch_modes, tensor_kind
+from .quant import POLICY_IDS, as_f32, as_u8, launch_from_env, launch_modes, tensor_kind
 
 SLOT_ERR: tl.constexpr = tl.constexpr(errors.SLOT_OUT_OF_RANGE)
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
@@ -68,18 +67,7 @@ STATE_ELEMS = 4096          # ring-update tile: rows x C elements per program
 SMALL_PROGRAMS = 64         # below this many programs at the default block size, use compress_small (ratio 4)
 
 
-def _launch_from_env(spec: str) -> None:
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, val = item.partition("=")
-        if name not in LAUNCH:
-            continue                            # rope_rotate.py's names share the variable
-        parts = [int(v) for v in val.split("x")]
-        if len(parts) != 3 or any(v < 1 or v & (v - 1) for v in parts):
-            raise ValueError(f"DSAQUANT_TRITON_V4_LAUNCH: {item!r}: expected rows x columns x warps, powers of two")
-        LAUNCH[name] = tuple(parts)
-
-
-_launch_from_env(os.environ.get("DSAQUANT_TRITON_V4_LAUNCH", ""))
+launch_from_env(LAUNCH, "DSAQUANT_TRITON_V4_LAUNCH", "rows x columns x warps", strict=False)   # the other V4 module shares it
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -675,25 +675,9 @@ def hadamard_level_row(x, R: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
 def hadamard_row(x, R: tl.constexpr, N: tl.constexpr, SCALE: tl.constexpr):
     """SPEC §5 Hadamard over rows x [R, N] (N a power of two, 128..1024), Sylvester order (h = 1, 2, ...,
     N/2), then times SCALE = fl(N^-0.5) (fl(128^-0.5) = 0x3DB504F3 for N = 128)."""
-    x = hadamard_level_row(x, R, N, 1)
-    if N >= 4:
-        x = hadamard_level_row(x, R, N, 2)
-    if N >= 8:
-        x = hadamard_level_row(x, R, N, 4)
-    if N >= 16:
-        x = hadamard_level_row(x, R, N, 8)
-    if N >= 32:
-        x = hadamard_level_row(x, R, N, 16)
-    if N >= 64:
-        x = hadamard_level_row(x, R, N, 32)
-    if N >= 128:
-        x = hadamard_level_row(x, R, N, 64)
-    if N >= 256:
-        x = hadamard_level_row(x, R, N, 128)
-    if N >= 512:
-        x = hadamard_level_row(x, R, N, 256)
-    if N >= 1024:
-        x = hadamard_level_row(x, R, N, 512)
+    for k in tl.static_range(10):          # h = 2^k < N (N <= 1024)
+        if (2 << k) <= N:
+            x = hadamard_level_row(x, R, N, 1 << k)
     return x * SCALE
 
 

@@ -51,19 +51,24 @@ LAUNCH = {
 }
 
 
-def _launch_from_env(spec: str) -> None:
-    for item in filter(None, (x.strip() for x in spec.split(","))):
+def launch_from_env(launch: dict, var: str, fields: str, strict: bool = True) -> None:
+    """Override entries of `launch` ({kernel: (n, ...)}) from the environment variable `var`:
+    "name=AxB,name2=A" (`fields` names the numbers, e.g. "rows x warps"; omitted trailing numbers keep their
+    value; each a power of two). strict: an unknown name is an error; otherwise it is left to the other
+    module that reads the same variable."""
+    for item in filter(None, (x.strip() for x in os.environ.get(var, "").split(","))):
         name, _, val = item.partition("=")
-        rows, _, warps = val.partition("x")
-        if name not in LAUNCH:
-            raise ValueError(f"DSAQUANT_TRITON_LAUNCH: unknown kernel {name!r}; expected one of {sorted(LAUNCH)}")
-        r, w = int(rows), int(warps or LAUNCH[name][1])
-        if r < 1 or r & (r - 1) or w < 1 or w & (w - 1):
-            raise ValueError(f"DSAQUANT_TRITON_LAUNCH: {item!r}: rows and warps must be powers of two")
-        LAUNCH[name] = (r, w)
+        if name not in launch:
+            if strict:
+                raise ValueError(f"{var}: unknown kernel {name!r}; expected one of {sorted(launch)}")
+            continue
+        parts = [int(v) for v in val.split("x")]
+        if len(parts) > len(launch[name]) or any(v < 1 or v & (v - 1) for v in parts):
+            raise ValueError(f"{var}: {item!r}: expected {fields}, powers of two")
+        launch[name] = tuple(parts) + tuple(launch[name][len(parts):])
 
 
-_launch_from_env(os.environ.get("DSAQUANT_TRITON_LAUNCH", ""))
+launch_from_env(LAUNCH, "DSAQUANT_TRITON_LAUNCH", "rows x warps")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ Block size: `LAUNCH["rope_rotate"]` = (elements per program, warps) or DSAQUANT_
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
 from . import formats as F
 from .formats import (amax_tile, cast_for_store, fp4_encode_tile, fp8_group_quant, hadamard_row, load_f32,
                       pack_nibbles_row, rope_tail_row, ue8m0_recip)
-from .quant import POLICY_IDS, as_u8, launch_modes, tensor_kind
+from .quant import POLICY_IDS, as_u8, launch_from_env, launch_modes, tensor_kind
 
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
 OUT_FP4, OUT_FP8, OUT_HALF = 0, 1, 2
@@ -40,18 +39,7 @@ OUT_FP4, OUT_FP8, OUT_HALF = 0, 1, 2
 LAUNCH = {"rope_rotate": (4096, 4)}
 
 
-def _launch_from_env(spec: str) -> None:
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, val = item.partition("=")
-        if name not in LAUNCH:
-            continue                            # compress.py's names share the variable
-        parts = [int(v) for v in val.split("x")]
-        if len(parts) != 2 or any(v < 1 or v & (v - 1) for v in parts):
-            raise ValueError(f"DSAQUANT_TRITON_V4_LAUNCH: {item!r}: expected elements x warps, powers of two")
-        LAUNCH[name] = tuple(parts)
-
-
-_launch_from_env(os.environ.get("DSAQUANT_TRITON_V4_LAUNCH", ""))
+launch_from_env(LAUNCH, "DSAQUANT_TRITON_V4_LAUNCH", "elements x warps", strict=False)   # the other V4 module shares it
 
 
 @triton.jit(do_not_specialize=["max_pos", "T", "H", "qs_pad"])
