@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: build the CUDA module, run the GPU test suite, the benchmark and compute-sanitizer, in
 # one call on a GPU machine. Logs go to $OUT (default ./gpu_out). Usage: ci/gpu_check.sh [cuda|hip]
-#   GPU_CHECK_PARTS="build tests bench sanitize" selects parts.
+#   GPU_CHECK_PARTS="build tests bench sanitize" selects parts (also: profile). Knobs: GPU_TESTS_FILES,
+#   GPU_TESTS_ARGS, GPU_TESTS_TIMEOUT, GPU_BENCH_ARGS, PROFILE_BACKENDS, PROFILE_CASES, SANITIZE_TOOLS,
+#   SANITIZE_SCRIPTS, SANITIZE_BACKENDS, SANITIZE_TIMEOUT, GPU_CHECK_TAR=1 (one .tgz of every log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BACKEND=${1:-cuda}
@@ -42,21 +44,42 @@ if has bench; then
   cat "$OUT/bench.md" 2>/dev/null || tail -20 "$OUT/bench.log"
 fi
 if has profile && command -v ncu >/dev/null; then
-  for w in fp8 fp4 qpack; do
-    timeout 120 ncu --clock-control none --kernel-name regex:'indexer_kernel|qpack_kernel' --launch-skip 1 --launch-count 1 \
-      --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__bytes.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
-      python3 ci/profile_case.py $w "$BACKEND" >"$OUT/ncu_$w.log" 2>&1
-    echo "ncu $w: $(grep -E 'duration|inst_executed|dram__bytes|warps_active|issue_active|registers' "$OUT/ncu_$w.log" | awk '{print $1, $(NF-1), $NF}' | tr '\n' ';')"
+  # Nsight Compute, full set, of the second launch of each case (ci/profile_case.py) on each backend:
+  # ncu_<backend>_<case>.txt holds every section (occupancy, warp stalls, memory tables), _sass.csv the
+  # per-instruction stall samples of the SASS.
+  for b in ${PROFILE_BACKENDS:-$BACKEND}; do
+    for w in ${PROFILE_CASES:-fp8 fp4 qpack}; do
+      rep="$OUT/ncu_${b}_$w"
+      timeout 240 ncu --clock-control none --set full --kernel-name regex:'indexer_kernel|qpack_kernel' \
+        --launch-skip 1 --launch-count 1 -f -o "$rep" python3 ci/profile_case.py $w "$b" >"$rep.log" 2>&1
+      ncu -i "$rep.ncu-rep" --page details --print-details all >"$rep.txt" 2>&1
+      ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"${rep}_sass.csv" 2>&1
+      rm -f "$rep.ncu-rep"
+      echo "ncu $b $w: $(grep -E '^ +(Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|Registers Per Thread) ' "$rep.txt" | awk '{print $1, $2, $(NF)}' | tr '\n' ';')"
+    done
   done
 fi
 if has sanitize && command -v compute-sanitizer >/dev/null; then
+  # Every (tool, script, backend) run at once: the tools are host-bound, and each process has its own outputs.
+  pids=()
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
-    for script in ci/sanitize_cases.py ci/sanitize_edge_cases.py; do
-      log="$OUT/sanitizer_${tool}_$(basename "$script" .py).log"
-      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" "$BACKEND" >"$log" 2>&1; rc=$?
-      echo "compute-sanitizer $tool $(basename "$script"): rc=$rc $(grep -E 'ERROR SUMMARY|done' "$log" | tail -2 | tr '\n' ' ')"
-      [ $rc -eq 0 ] || status=1
+    for script in ${SANITIZE_SCRIPTS:-ci/sanitize_cases.py ci/sanitize_edge_cases.py}; do
+      for b in ${SANITIZE_BACKENDS:-$BACKEND}; do
+        log="$OUT/sanitizer_${tool}_$(basename "$script" .py)_$b.log"
+        ( timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" "$b" \
+            >"$log" 2>&1; echo "rc=$?" >>"$log" ) &
+        pids+=($!)
+      done
     done
   done
+  wait "${pids[@]}"
+  for log in "$OUT"/sanitizer_*.log; do
+    rc=$(tail -1 "$log")
+    echo "$(basename "$log" .log): $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|done' "$log" | tail -2 | tr '\n' ' ')"
+    [ "$rc" = rc=0 ] || status=1
+  done
+fi
+if [ -n "${GPU_CHECK_TAR:-}" ]; then   # at most 8 files come back from a device call: pack the logs into one
+  tar czf /tmp/gpu_check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tgz "$OUT/"
 fi
 exit $status

@@ -1,7 +1,7 @@
 """Edge sizes and strided (server-style) inputs of every writer op on one backend, for compute-sanitizer
 (memcheck / racecheck / initcheck), like ci/sanitize_cases.py. Usage:
 
-    compute-sanitizer --tool memcheck python ci/sanitize_edge_cases.py [cuda|triton] [--known-bugs] [--compare]
+    compute-sanitizer --tool memcheck python ci/sanitize_edge_cases.py [cuda|triton] [--compare]
 
 Cases (small: the tools are slow): T = 0 and 1 with every kind of slot; H not a multiple of 16 in FP8 mode
 and for the sglang ops; H = 0; caches of exactly one page with every slot written plus slots at the
@@ -11,9 +11,9 @@ offset; k / weights / x as column slices, including one flush against the end of
 offset (a vector load there would read past the end); transposed and broadcast weights; norm and RoPE
 tables as slices.
 
-`--known-bugs` adds the cases of the known `cuda` stride bug (strided / broadcast positions and slot maps,
-strided weights_out: tests/gpu/test_reliability_gpu.py), including a position tensor broadcast from one
-element, which the cuda backend reads out of bounds. `--compare` also checks every case byte for byte
+The strided / broadcast positions and slot maps, the strided weights_out and a position tensor broadcast
+from one element are included: they were the `cuda` backend's stride bug (fixed: backends/compiled.py makes
+index tensors dense and passes weights_out's strides; tests/gpu/test_reliability_gpu.py). `--compare` also checks every case byte for byte
 against backend="reference" (slower). With TRITON_INTERPRET=1 and backend triton it dry-runs on the CPU.
 """
 import sys
@@ -31,7 +31,6 @@ from dsaquant import testing as tt  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 backend = args[0] if args else "cuda"
-known_bugs = "--known-bugs" in sys.argv
 compare = "--compare" in sys.argv
 # TRITON_INTERPRET=1 with backend triton: a CPU dry run of the case list (no sanitizer meaning)
 dev = torch.device("cpu") if (backend == "triton" and __import__("os").environ.get("TRITON_INTERPRET") == "1") \
@@ -41,8 +40,6 @@ dev = torch.device("cpu") if (backend == "triton" and __import__("os").environ.g
 def sync():
     if dev.type == "cuda":
         torch.cuda.synchronize()
-
-KNOWN_BUG_NAMES = ("positions-every-other", "positions-broadcast", "slots-every-other", "weights_out")
 
 
 def flush_end(t):
@@ -60,7 +57,7 @@ def cases():
         for kind in ("fresh", "zero", "last", "neg"):
             out.append((f"{op} T=1 {kind}", tp.build(tp.base_case(op, T=1, slots=[kind]))))
         for style in (1, 2):
-            for iv in ((False, True) if (known_bugs or backend != "cuda") else (False,)):
+            for iv in (False, True):
                 c = tp.base_case(op, strided=style, strided_idx=iv, pos_dtype="int32",
                                  **({"H": 5} if op in ("q_pack", "fake_quant") else {}),
                                  **({"hk": None} if op == "v4_k" else {}))
@@ -81,8 +78,6 @@ def cases():
                                                              slots=["fresh", "oob", "neg"], pos=["in"] * 3))))
     out.append(("v4_k dense slots past capacity", te._oob_call("v4_k", "int64", True, "dense")))
     for name, (op, mutate) in sorted(te.STRIDED_INPUTS.items()):
-        if backend == "cuda" and not known_bugs and any(s in name for s in KNOWN_BUG_NAMES):
-            continue
         call = tp.build(tp.base_case(op))
         mutate(call.kwargs)
         out.append((name, call))
@@ -91,10 +86,9 @@ def cases():
         call = tp.build(tp.base_case(op))
         call.kwargs[key] = flush_end(call.kwargs[key])
         out.append((f"{op} {key} flush against the end of its allocation", call))
-    if known_bugs:
-        call = tp.build(tp.base_case("indexer_fp8"))
-        call.kwargs["positions"] = torch.tensor([5]).expand(call.meta["T"])     # a one-element storage
-        out.append(("indexer_fp8 positions broadcast from one element (known cuda bug)", call))
+    call = tp.build(tp.base_case("indexer_fp8"))
+    call.kwargs["positions"] = torch.tensor([5]).expand(call.meta["T"])     # a one-element storage
+    out.append(("indexer_fp8 positions broadcast from one element", call))
     return out
 
 
