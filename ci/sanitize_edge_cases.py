@@ -101,7 +101,8 @@ def zero_heads():
 
 
 n_bad = 0
-for label, cpu_call in cases() + [zero_heads()]:
+all_cases = cases() + [zero_heads()]
+for label, cpu_call in all_cases:
     call = tp.call_to(cpu_call, dev)
     if compare:
         problems, total, bad = tp.compare_backend(call, backend)
@@ -114,5 +115,5 @@ for label, cpu_call in cases() + [zero_heads()]:
     sync()
     tp.drain_flags()
 sync()
-print(f"sanitize edge cases done on backend {backend}"
+print(f"sanitize edge cases done on backend {backend}: {len(all_cases)} cases"
       + (f" ({n_bad} cases differ from the reference)" if compare else ""))

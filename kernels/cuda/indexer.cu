@@ -1,116 +1,149 @@
 // kernels/cuda/indexer.cu: SPEC §7.1 indexer_qk_rope_quant_and_cache, FP8 and FP4 modes, one launch.
 //
-// Lanes ("split" layout): a 16-lane group holds one 128-wide row; lane l holds the four values
-// x[4l .. 4l+3] ("a", all in the RoPE half, dims 0..63) and x[64+4l .. 64+4l+3] ("b"). So every lane
-// takes part in RoPE (neox partners j, j+32 are 8 lanes apart; interleaved pairs are inside a lane), an
-// FP4 block of 32 is the a's or the b's of 8 lanes, and the first level of the canonical sum (partial i
-// plus partial i+16) is inside a lane.
+// Lanes ("split8" layout): an 8-lane group holds one 128-wide row; lane l holds the eight values
+// x[8l .. 8l+7] ("a", all in the RoPE half, dims 0..63) and x[64+8l .. 64+8l+7] ("b"). So every lane
+// takes part in RoPE (neox partners j, j+32 are 4 lanes apart; interleaved pairs are inside a lane), an
+// FP4 block of 32 is the a's or the b's of 4 lanes, the FP8 row is the group, and the canonical sum's
+// levels are: in-lane (partials i, i+16), lanes l ^ 4, l ^ 2, l ^ 1, in-lane (partials 2l, 2l+1).
+// Eight values per lane (not four) halve the per-row work (scales, shuffles, stores, addresses) per value:
+// measured on the H200 (benchmarks/results/h200-2026-11-29-s3/NOTES.md).
 //
-// Blocks of 256 threads (16 groups). The first T blocks are q blocks, one per token: group g takes the
-// heads g, g+16, g+32, ..., so the token's slot, position and RoPE table entries are loaded once per
-// group, and the loads of up to kHeadsInFlight heads are issued before any of them is processed. The
-// last ceil(T/16) blocks are k blocks, one k row per group. 1-D grid (no 65535 limit).
+// Blocks of 256 threads (32 groups). The first T * chunks blocks are q blocks: block b takes token
+// b / chunks and its heads c*32*hpg .. (c+1)*32*hpg - 1 (c = b % chunks, hpg heads per group); group g
+// takes the heads c*32*hpg + g + 32i. At large T a block takes a whole token (the slot, position and
+// RoPE entries are loaded once per group); at small T one head per group, so that a call's heads spread
+// over several SMs (latency). The loads of up to kHeadsInFlight heads are issued before any is processed.
+// The last ceil(T/32) blocks are k blocks, one k row per group. 1-D grid (no 65535 limit).
 // Template parameters: MODE 0 = FP8; 1, 2, 3 = FP4 with rounding policy MODE-1 (SPEC §2); IN_DT the
 // q/k dtype; CDT the cos/sin table dtype; NEOX the RoPE style.
 #include "indexer.h"
-#include "row16.cuh"   // DType codes, scalar loads, rope_load, group_mask/shuffles, with_* dispatch
+#include "row16.cuh"   // DType codes, scalar loads, rope_load, with_* dispatch
 
 namespace dsqk {
 namespace {
 
-// Tuning (measured on the H200: benchmarks/results/h200-2026-11-29/NOTES.md); macros so that a
+// Tuning (measured on the H200: benchmarks/results/h200-2026-11-29-s3/NOTES.md); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT
-#define DSQ_INDEXER_HEADS_IN_FLIGHT 4
+#define DSQ_INDEXER_HEADS_IN_FLIGHT 2
 #endif
 #ifndef DSQ_INDEXER_MIN_BLOCKS
 #define DSQ_INDEXER_MIN_BLOCKS 3
 #endif
+#ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS
+#define DSQ_INDEXER_WHOLE_TOKEN_UNITS 2048   // T * ceil(H/32) from which a q block takes a whole token
+#endif
 constexpr int kHeadsInFlight = DSQ_INDEXER_HEADS_IN_FLIGHT;
+constexpr int kGroupLanes = 8;                 // lanes per row
+constexpr int kGroups = 256 / kGroupLanes;     // rows per block
 
-// Four consecutive 16-bit values at p (vector load when `vec`: p is then 8-byte aligned).
-__device__ __forceinline__ uint2 load4(const uint16_t* p, bool vec) {
-  if (vec) return *reinterpret_cast<const uint2*>(p);
-  return make_uint2(p[0] | (static_cast<uint32_t>(p[1]) << 16), p[2] | (static_cast<uint32_t>(p[3]) << 16));
+__device__ __forceinline__ unsigned group_mask8() { return 0xFFu << (threadIdx.x & 24); }
+__device__ __forceinline__ float shfl8(unsigned mask, float v, int s) { return __shfl_xor_sync(mask, v, s, kGroupLanes); }
+
+// Eight consecutive 16-bit values at p (one 16-byte load when `vec`: p is then 16-byte aligned).
+__device__ __forceinline__ uint4 load8(const uint16_t* p, bool vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(p);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = p[2 * i] | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <int DT>
-__device__ __forceinline__ float half_to_f32(uint32_t h) {
-  return DT == kBF16 ? bf16_to_f32(static_cast<uint16_t>(h)) : fp16_to_f32(static_cast<uint16_t>(h));
-}
-
-// A row's raw 16-bit values for this lane: a = x[4l..4l+3], b = x[64+4l..64+4l+3].
+// A row's raw 16-bit values for this lane: a = x[8l..8l+7], b = x[64+8l..64+8l+7].
 struct Raw {
-  uint2 a, b;
+  uint4 a, b;
 };
 __device__ __forceinline__ Raw load_raw(const uint16_t* row, int lane, bool vec) {
-  return Raw{load4(row + 4 * lane, vec), load4(row + 64 + 4 * lane, vec)};
+  return Raw{load8(row + 8 * lane, vec), load8(row + 64 + 8 * lane, vec)};
+}
+
+// The low / high 16-bit value of a word as fp32 (bf16: a shift or a mask; fp16: arith.h's decode).
+template <int DT>
+__device__ __forceinline__ float lo_f32(uint32_t w) {
+  return DT == kBF16 ? u2f(w << 16) : fp16_to_f32(static_cast<uint16_t>(w & 0xFFFFu));
 }
 template <int DT>
-__device__ __forceinline__ void unpack(const Raw& r, float (&v)[8]) {
-  const uint32_t w[4] = {r.a.x, r.a.y, r.b.x, r.b.y};
+__device__ __forceinline__ float hi_f32(uint32_t w) {
+  return DT == kBF16 ? u2f(w & 0xFFFF0000u) : fp16_to_f32(static_cast<uint16_t>(w >> 16));
+}
+template <int DT>
+__device__ __forceinline__ void unpack(const Raw& r, float (&v)[16]) {
+  const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = half_to_f32<DT>(w[i] & 0xFFFFu);
-    v[2 * i + 1] = half_to_f32<DT>(w[i] >> 16);
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = lo_f32<DT>(w[i]);
+    v[2 * i + 1] = hi_f32<DT>(w[i]);
+  }
+}
+
+// Values i..i+7 rounded to the input dtype (SPEC §7.1: after RoPE, after the norm). Only quantizers read
+// them, which treat every NaN alike, so the pair rounding's unspecified NaN payload is harmless.
+template <int DT>
+__device__ __forceinline__ void round8(float (&v)[16], int i0) {
+#pragma unroll
+  for (int i = i0; i < i0 + 8; i += 2) {
+    const uint32_t w = round_pair_any_nan(v[i], v[i + 1], DT == kBF16);
+    v[i] = lo_f32<DT>(w);
+    v[i + 1] = hi_f32<DT>(w);
   }
 }
 
 // The lane's RoPE table entries (SPEC §5, head RoPE on dims 0..63) at position p: neox: pairs
-// j = 4(l&7) .. +3 (lane l < 8 holds their first elements, lane l+8 their second); interleaved: pairs
-// 2l and 2l+1, in c[0..1] / s[0..1].
+// j = 8(l&3) .. +7 (lane l < 4 holds their first elements, lane l+4 their second), in c/s[0..7];
+// interleaved: pairs 4l .. 4l+3, in c/s[0..3].
 template <bool NEOX, int CDT>
-__device__ __forceinline__ void rope_entries(const RopeArgs& tab, int64_t p, int lane, float (&c)[4], float (&s)[4]) {
+__device__ __forceinline__ void rope_entries(const RopeArgs& tab, int64_t p, int lane, float (&c)[8], float (&s)[8]) {
   if (NEOX) {
-    rope_load<4, CDT>(tab, p, 4 * (lane & 7), c, s);
+    rope_load<8, CDT>(tab, p, 8 * (lane & 3), c, s);
   } else {
     float c4[4], s4[4];
-    rope_load<4, CDT>(tab, p, 4 * (lane >> 1), c4, s4);
-    const bool hi = lane & 1;
-    c[0] = hi ? c4[2] : c4[0];
-    c[1] = hi ? c4[3] : c4[1];
-    s[0] = hi ? s4[2] : s4[0];
-    s[1] = hi ? s4[3] : s4[1];
-    c[2] = c[3] = s[2] = s[3] = 0.0f;
+    rope_load<4, CDT>(tab, p, 4 * lane, c4, s4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      c[i] = c4[i];
+      s[i] = s4[i];
+      c[4 + i] = s[4 + i] = 0.0f;
+    }
   }
 }
 
 // SPEC §5 RoPE of the a values (dims 0..63), then the rounding to the input dtype (SPEC §7.1).
-// neox: a' = fl(fl(a*c) - fl(b*s)) on lanes 0..7, b' = fl(fl(b*c) + fl(a*s)) on lanes 8..15 (x - y is
+// neox: a' = fl(fl(a*c) - fl(b*s)) on lanes 0..3, b' = fl(fl(b*c) + fl(a*s)) on lanes 4..7 (x - y is
 // x + (-y) exactly, so both are one add of the two products).
 template <bool NEOX, int IN_DT>
-__device__ __forceinline__ void rope_a(unsigned mask, int lane, float (&v)[8], const float (&c)[4], const float (&s)[4]) {
+__device__ __forceinline__ void rope_a(unsigned mask, int lane, float (&v)[16], const float (&c)[8], const float (&s)[8]) {
   if (NEOX) {
-    const bool first = lane < 8;
+    const bool first = lane < 4;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float other = shfl_xor16(mask, v[i], 8);
-      const float t = fmul(other, s[i]);
+    for (int i = 0; i < 8; ++i) {
+      const float t = fmul(shfl8(mask, v[i], 4), s[i]);
       v[i] = fadd(fmul(v[i], c[i]), first ? -t : t);
     }
   } else {
-    rope_pair(v[0], v[1], c[0], s[0]);
-    rope_pair(v[2], v[3], c[1], s[1]);
-  }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = round_to<IN_DT>(v[i]);
+    for (int i = 0; i < 4; ++i) rope_pair(v[2 * i], v[2 * i + 1], c[i], s[i]);
+  }
+  round8<IN_DT>(v, 0);
 }
 
-// NaN-ignoring max |x| of the lane's a values (h = 0) or b values (h = 1), then over `lanes` lanes.
-__device__ __forceinline__ float amax4(unsigned mask, const float (&v)[8], int h, int lanes) {
-  float m = fmax_nn(fmax_nn(abs_f(v[4 * h]), abs_f(v[4 * h + 1])), fmax_nn(abs_f(v[4 * h + 2]), abs_f(v[4 * h + 3])));
-  m = fmax_nn(m, 0.0f);   // an all-NaN lane contributes 0 (SPEC §0.3)
-  for (int s = lanes >> 1; s >= 1; s >>= 1) m = fmax_nn(m, shfl_xor16(mask, m, s));
+// NaN-ignoring max |x| of the lane's a values (h = 0), b values (h = 1) or all 16 (h = 2), then over
+// `lanes` lanes (SPEC §0.3: an all-NaN range gives 0).
+__device__ __forceinline__ float amax_lanes(unsigned mask, const float (&v)[16], int h, int lanes) {
+  const int i0 = h == 1 ? 8 : 0, i1 = h == 0 ? 8 : 16;
+  float m = 0.0f;
+#pragma unroll
+  for (int i = i0; i < i1; ++i) m = fmax_nn(m, abs_f(v[i]));
+  for (int s = lanes >> 1; s >= 1; s >>= 1) m = fmax_nn(m, shfl8(mask, m, s));
   return m;
 }
 
-// FP4 (SPEC §2-§3, rule recip): the two blocks this lane takes part in (a: block lane/8, b: block
-// 2 + lane/8), their exponents and the lane's 2 + 2 packed bytes.
+// FP4 (SPEC §2-§3, rule recip): the two blocks this lane takes part in (a: block lane/4, b: block
+// 2 + lane/4), their exponents and the lane's 4 + 4 packed bytes.
 template <Rounding R>
-__device__ __forceinline__ void fp4_quant(unsigned mask, const float (&v)[8], uint32_t& bytes_a, uint32_t& bytes_b,
+__device__ __forceinline__ void fp4_quant(unsigned mask, const float (&v)[16], uint32_t& bytes_a, uint32_t& bytes_b,
                                           int& e_a, int& e_b) {
-  e_a = ue8m0_exponent(amax4(mask, v, 0, 8), ScaleRule::recip);
-  e_b = ue8m0_exponent(amax4(mask, v, 1, 8), ScaleRule::recip);
+  e_a = ue8m0_exponent(amax_lanes(mask, v, 0, 4), ScaleRule::recip);
+  e_b = ue8m0_exponent(amax_lanes(mask, v, 1, 4), ScaleRule::recip);
   // A NaN input counts as the canonical (positive) NaN; only `hardware` reads a NaN's sign, and under
   // threshold/rne a NaN gives 0x7 either way (e2m1.h), so only hardware pays for the canonicalisation.
   auto in = [&](int i) { return R == Rounding::hardware ? canon(v[i]) : v[i]; };
@@ -120,27 +153,31 @@ __device__ __forceinline__ void fp4_quant(unsigned mask, const float (&v)[8], ui
     const int e = h ? e_b : e_a;
     w[h] = 0;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-      w[h] |= static_cast<uint32_t>(e2m1_encode_pair(in(4 * h + 2 * i), in(4 * h + 2 * i + 1), e, R)) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      w[h] |= static_cast<uint32_t>(e2m1_encode_pair(in(8 * h + 2 * i), in(8 * h + 2 * i + 1), e, R)) << (8 * i);
   }
   bytes_a = w[0];
   bytes_b = w[1];
 }
 
-// FP8 (SPEC §4): the row's scale and the lane's 4 + 4 codes.
-__device__ __forceinline__ float fp8_quant(unsigned mask, const float (&v)[8], Fp8Flavour fl, Fp8Role role, bool ue8m0,
-                                           uint32_t& codes_a, uint32_t& codes_b) {
-  const float amax = fmax_nn(amax4(mask, v, 0, 1), amax4(mask, v, 1, 1));
-  float m = amax;
+// FP8 (SPEC §4): the row's scale and the lane's 8 + 8 codes (codes[0..1]: a, codes[2..3]: b).
+template <Fp8Flavour FL>
+__device__ __forceinline__ void fp8_encode16(const float (&v)[16], float inv, uint32_t (&codes)[4]) {
 #pragma unroll
-  for (int s = 8; s >= 1; s >>= 1) m = fmax_nn(m, shfl_xor16(mask, m, s));
-  const float s = fp8_row_scale(m, fl, role, ue8m0);
-  const float inv = fp8_inv_scale(s);
-  uint32_t c[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = fp8_encode2(fmul(v[2 * i], inv), fmul(v[2 * i + 1], inv), fl);
-  codes_a = c[0] | (c[1] << 16);
-  codes_b = c[2] | (c[3] << 16);
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = fp8_encode2(fmul(v[4 * i], inv), fmul(v[4 * i + 1], inv), FL);
+    const uint32_t hi = fp8_encode2(fmul(v[4 * i + 2], inv), fmul(v[4 * i + 3], inv), FL);
+    codes[i] = lo | (hi << 16);
+  }
+}
+__device__ __forceinline__ float fp8_quant(unsigned mask, const float (&v)[16], Fp8Flavour fl, Fp8Role role, bool ue8m0,
+                                           uint32_t (&codes)[4]) {
+  const float s = fp8_row_scale(amax_lanes(mask, v, 2, 8), fl, role, ue8m0);
+  const float inv = fp8_inv_scale(s);   // once per row (the flavour branch comes after it)
+  if (fl == Fp8Flavour::e4m3fn)
+    fp8_encode16<Fp8Flavour::e4m3fn>(v, inv, codes);
+  else
+    fp8_encode16<Fp8Flavour::e4m3fnuz>(v, inv, codes);
   return s;
 }
 
@@ -153,11 +190,11 @@ __device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, in
     static_cast<uint16_t*>(a.w_out)[i] = to_half_bits(w, a.w_out_dt);
 }
 
-// ---- q blocks: one token, 16 groups over its heads -------------------------------------------------
+// ---- q blocks: one token, 32 groups over (a chunk of) its heads ------------------------------------
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__device__ __forceinline__ void q_token(const IndexerArgs& a, int64_t t) {
-  const int lane = threadIdx.x & 15, g = threadIdx.x >> 4;
-  const unsigned mask = group_mask();
+__device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t h_begin, int64_t h_end) {
+  const int lane = threadIdx.x & 7, g = threadIdx.x >> 3;
+  const unsigned mask = group_mask8();
   // The slot, the position and the first heads' rows are loaded together (none depends on another):
   // at small T this dependent-load chain is most of the call. Rows of a skipped token are read and
   // dropped (in bounds either way).
@@ -165,44 +202,48 @@ __device__ __forceinline__ void q_token(const IndexerArgs& a, int64_t t) {
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);     // flagged by the token's k row if out of range
   const uint16_t* q_t = static_cast<const uint16_t*>(a.q) + t * a.q_st;
   const int64_t H = a.H;
-  for (int64_t h0 = g; h0 < H; h0 += 16 * kHeadsInFlight) {
+  float c[8], s[8];
+  bool have_table = false;
+  for (int64_t h0 = h_begin + g; h0 < h_end; h0 += kGroups * kHeadsInFlight) {
     Raw raw[kHeadsInFlight];
     float w[kHeadsInFlight];
 #pragma unroll
     for (int i = 0; i < kHeadsInFlight; ++i) {
-      const int64_t h = h0 + 16 * i;
-      if (h < H) {
+      const int64_t h = h0 + kGroups * i;
+      if (h < h_end) {
         raw[i] = load_raw(q_t + h * a.q_sh, lane, a.q_vec);
         w[i] = lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
       }
     }
     if (!a.compute_all && slot < 0) return;                    // q rows of a skipped token: not written
-    float c[4], s[4];   // after the q loads are issued: their latency overlaps the table's
-    rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+    if (!have_table) {   // after the first q loads are issued: their latency overlaps the table's
+      rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+      have_table = true;
+    }
 #pragma unroll
     for (int i = 0; i < kHeadsInFlight; ++i) {
-      const int64_t h = h0 + 16 * i;
-      if (h >= H) break;
+      const int64_t h = h0 + kGroups * i;
+      if (h >= h_end) break;
       const int64_t row = t * H + h;
-      float v[8];
+      float v[16];
       unpack<IN_DT>(raw[i], v);
       rope_a<NEOX, IN_DT>(mask, lane, v, c, s);
       if constexpr (MODE == 0) {
-        uint32_t ca, cb;
-        const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, ca, cb);
-        uint32_t* out = reinterpret_cast<uint32_t*>(a.q_out + row * 128);
-        out[lane] = ca;
-        out[16 + lane] = cb;
+        uint32_t codes[4];
+        const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
+        uint2* out = reinterpret_cast<uint2*>(a.q_out + row * 128);
+        out[lane] = make_uint2(codes[0], codes[1]);
+        out[8 + lane] = make_uint2(codes[2], codes[3]);
         if (lane == 0) store_weight(a, t, h, fmul(fmul(w[i], sc), a.weights_scale));
       } else {
         uint32_t ba, bb;
         int ea, eb;
         fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
-        uint16_t* out = reinterpret_cast<uint16_t*>(a.q_out + row * 64);
-        out[lane] = static_cast<uint16_t>(ba);
-        out[16 + lane] = static_cast<uint16_t>(bb);
-        if ((lane & 7) == 0) {   // lane 0: blocks 0 and 2; lane 8: blocks 1 and 3
-          const int blk = lane >> 3;
+        uint32_t* out = reinterpret_cast<uint32_t*>(a.q_out + row * 64);
+        out[lane] = ba;
+        out[8 + lane] = bb;
+        if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3
+          const int blk = lane >> 2;
           a.q_scale_out[aiter_q_scale_offset(t, h, blk, H)] = static_cast<uint8_t>(ea);
           a.q_scale_out[aiter_q_scale_offset(t, h, 2 + blk, H)] = static_cast<uint8_t>(eb);
           if (h < 16)   // pad entries h/16 >= H/16 of this (t, block, h % 16) are written 0
@@ -220,10 +261,12 @@ __device__ __forceinline__ void q_token(const IndexerArgs& a, int64_t t) {
 // ---- k blocks: one k row per group ----------------------------------------------------------------
 template <int MODE, int IN_DT, int CDT, bool NEOX>
 __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
-  const int lane = threadIdx.x & 15;
-  const unsigned mask = group_mask();
+  const int lane = threadIdx.x & 7;
+  const unsigned mask = group_mask8();
+  // The loads that do not depend on another are issued first (small T: the call is this chain).
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
+  const Raw raw = load_raw(static_cast<const uint16_t*>(a.k) + t * a.k_st, lane, a.k_vec);
   // SPEC §7.5: an out-of-range position is clamped and reported (once per token: here).
   if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, 2);
   if (slot < 0) return;
@@ -231,60 +274,73 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
     if (lane == 0) atomicOr(a.err_flag, 1);
     return;
   }
-  float v[8];
-  unpack<IN_DT>(load_raw(static_cast<const uint16_t*>(a.k) + t * a.k_st, lane, a.k_vec), v);
-  float c[4], s[4];
+  float c[8], s[8];
   rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+  float v[16];
+  unpack<IN_DT>(raw, v);
   // LayerNorm (SPEC §5): mean = S(x)/128, d = x - mean, var = S(d*d)/128, y = fl(fl(d*inv)*w) + b,
-  // rounded to the input dtype. S is the canonical sum: partial l (a) plus partial 16+l (b), then
-  // the butterfly over lanes l ^ 8, 4, 2, 1.
-  auto row_sum = [&](const float (&x)[8]) {
-    float p = fadd(canonical_partial(x[0], x[1], x[2], x[3]), canonical_partial(x[4], x[5], x[6], x[7]));
+  // rounded to the input dtype. S is the canonical sum: lane l holds partials 2l, 2l+1 (a) and
+  // 16+2l, 17+2l (b); level 16 is in-lane, levels 8, 4, 2 are lanes l ^ 4, 2, 1, level 1 in-lane.
+  auto row_sum = [&](const float (&x)[16]) {
+    float p0 = fadd(canonical_partial(x[0], x[1], x[2], x[3]), canonical_partial(x[8], x[9], x[10], x[11]));
+    float p1 = fadd(canonical_partial(x[4], x[5], x[6], x[7]), canonical_partial(x[12], x[13], x[14], x[15]));
 #pragma unroll
-    for (int sh = 8; sh >= 1; sh >>= 1) p = fadd(p, shfl_xor16(mask, p, sh));
-    return p;
+    for (int sh = 4; sh >= 1; sh >>= 1) {
+      p0 = fadd(p0, shfl8(mask, p0, sh));
+      p1 = fadd(p1, shfl8(mask, p1, sh));
+    }
+    return fadd(p0, p1);
   };
   const float mean = fdiv(row_sum(v), 128.0f);
-  float d2[8];
+  float d2[16];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 16; ++i) {
     v[i] = fsub(v[i], mean);
     d2[i] = fmul(v[i], v[i]);
   }
   const float inv = inv_sqrt_eps(fdiv(row_sum(d2), 128.0f), a.eps);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int dim = (i < 4 ? 0 : 64) + 4 * lane + (i & 3);
-    v[i] = round_to<IN_DT>(layer_norm_apply(v[i], inv, load_f(a.norm_w, dim, a.norm_w_dt), load_f(a.norm_b, dim, a.norm_b_dt)));
+  for (int i = 0; i < 16; ++i) {
+    const int dim = (i < 8 ? 0 : 64) + 8 * lane + (i & 7);
+    v[i] = layer_norm_apply(v[i], inv, load_f(a.norm_w, dim, a.norm_w_dt), load_f(a.norm_b, dim, a.norm_b_dt));
   }
+  round8<IN_DT>(v, 0);
+  round8<IN_DT>(v, 8);
   rope_a<NEOX, IN_DT>(mask, lane, v, c, s);
   if constexpr (MODE == 0) {
-    uint32_t ca, cb;
-    const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::k, a.ue8m0, ca, cb);
-    *reinterpret_cast<uint32_t*>(a.kv_cache + fp8_132_data_offset(slot, a.P, 4 * lane, a.preshuffle)) = ca;
-    *reinterpret_cast<uint32_t*>(a.kv_cache + fp8_132_data_offset(slot, a.P, 64 + 4 * lane, a.preshuffle)) = cb;
+    uint32_t codes[4];
+    const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::k, a.ue8m0, codes);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {   // 4-byte stores: a page's base is only 4-byte aligned for odd P
+      uint32_t* d = reinterpret_cast<uint32_t*>(a.kv_cache + fp8_132_data_offset(slot, a.P, 64 * h + 8 * lane, a.preshuffle));
+      d[0] = codes[2 * h];
+      d[1] = codes[2 * h + 1];
+    }
     if (lane == 0) *reinterpret_cast<float*>(a.kv_cache + fp8_132_scale_offset(slot, a.P)) = sc;
   } else {
     uint32_t ba, bb;
     int ea, eb;
     fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
-    *reinterpret_cast<uint16_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 2 * lane)) = static_cast<uint16_t>(ba);
-    *reinterpret_cast<uint16_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 32 + 2 * lane)) = static_cast<uint16_t>(bb);
-    if ((lane & 7) == 0) {
-      const int blk = lane >> 3;
+    *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = ba;
+    *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 32 + 4 * lane)) = bb;
+    if ((lane & 3) == 0) {
+      const int blk = lane >> 2;
       a.kv_scale[aiter_fp4_scale_offset(slot, a.P, blk)] = static_cast<uint8_t>(ea);
       a.kv_scale[aiter_fp4_scale_offset(slot, a.P, 2 + blk)] = static_cast<uint8_t>(eb);
     }
   }
 }
 
+// q blocks: T * chunks, each `chunk_heads` heads of one token; then the k blocks.
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__global__ void __launch_bounds__(256, DSQ_INDEXER_MIN_BLOCKS) indexer_kernel(IndexerArgs a) {
-  const int64_t b = blockIdx.x;
-  if (b < a.T) {
-    q_token<MODE, IN_DT, CDT, NEOX>(a, b);
+__global__ void __launch_bounds__(256, DSQ_INDEXER_MIN_BLOCKS) indexer_kernel(IndexerArgs a, int64_t chunks,
+                                                                             int64_t chunk_heads) {
+  const int64_t b = blockIdx.x, nq = a.T * chunks;
+  if (b < nq) {
+    const int64_t t = b / chunks, h_begin = (b % chunks) * chunk_heads;
+    q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, min(h_begin + chunk_heads, a.H));
   } else {
-    const int64_t t = (b - a.T) * 16 + (threadIdx.x >> 4);
+    const int64_t t = (b - nq) * kGroups + (threadIdx.x >> 3);
     if (t < a.T) k_row<MODE, IN_DT, CDT, NEOX>(a, t);
   }
 }
@@ -303,13 +359,18 @@ void with_mode(const IndexerArgs& a, F&& f) {   // FP8, or FP4 with its rounding
 int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
   if (a.T == 0) return 0;
   using namespace dsqk;
-  const int64_t blocks = a.T + (a.T + 15) / 16;
+  // q work units: 32 heads of a token (one per group). Many units: a block takes a whole token; few:
+  // one unit per block, so that a small call's heads spread over several SMs.
+  const int64_t units = (a.H + kGroups - 1) / kGroups;
+  const bool whole = a.T * units >= DSQ_INDEXER_WHOLE_TOKEN_UNITS;
+  const int64_t chunks = whole ? (units > 0 ? 1 : 0) : units, chunk_heads = whole ? units * kGroups : kGroups;
+  const int64_t blocks = a.T * chunks + (a.T + kGroups - 1) / kGroups;
   with_mode(a, [&](auto mode) {
     with_half(a.in_dt, [&](auto in_dt) {
       with_float(a.rope.dtype, [&](auto cdt) {
         with_bool(a.neox, [&](auto neox) {
           indexer_kernel<decltype(mode)::value, decltype(in_dt)::value, decltype(cdt)::value, decltype(neox)::value>
-              <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+              <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, chunks, chunk_heads);
         });
       });
     });

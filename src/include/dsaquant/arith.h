@@ -104,6 +104,25 @@ DSQ_HD float fp16_to_f32(uint16_t h) {
 
 DSQ_HD float round_to_fp16(float x) { return fp16_to_f32(round_fp16(x)); }
 
+// Two values rounded to bf16 (is_bf16) or fp16, nearest even, packed in one word: lo in bits 0..15, hi
+// in bits 16..31. For callers whose next step treats every NaN alike (the quantizers: amax ignores NaN,
+// the encoders map any NaN to one code): a NaN gives *a* NaN of the format, payload unspecified (on
+// NVIDIA sm_80+ one cvt.rn.{bf16,f16}x2 for both values; elsewhere round_bf16 / round_fp16). Every other
+// value is bit-identical to round_bf16 / round_fp16 (same IEEE rounding).
+DSQ_HD uint32_t round_pair_any_nan(float lo, float hi, bool is_bf16) {
+#if defined(DSQ_CUDA_DEVICE) && (__CUDA_ARCH__ >= 800) && !defined(DSQ_SOFTWARE_ROUNDING)
+  uint32_t d;
+  if (is_bf16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return is_bf16 ? (round_bf16(lo) | (static_cast<uint32_t>(round_bf16(hi)) << 16))
+                 : (round_fp16(lo) | (static_cast<uint32_t>(round_fp16(hi)) << 16));
+#endif
+}
+
 // ---- SPEC §0.2: the canonical sum ----------------------------------------------------------------
 // Partial i of a row: ((x[4i] + x[4i+1]) + x[4i+2]) + x[4i+3].
 DSQ_HD float canonical_partial(float x0, float x1, float x2, float x3) {
