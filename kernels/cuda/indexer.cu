@@ -24,8 +24,11 @@ namespace {
 
 // Tuning (measured on the H200: benchmarks/results/h200-2026-11-29-s3/NOTES.md); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
-#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT
-#define DSQ_INDEXER_HEADS_IN_FLIGHT 2
+#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows whose loads a group issues before processing them
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2
+#endif
+#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP4 1
 #endif
 #ifndef DSQ_INDEXER_MIN_BLOCKS
 #define DSQ_INDEXER_MIN_BLOCKS 3
@@ -33,7 +36,6 @@ namespace {
 #ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS
 #define DSQ_INDEXER_WHOLE_TOKEN_UNITS 2048   // T * ceil(H/32) from which a q block takes a whole token
 #endif
-constexpr int kHeadsInFlight = DSQ_INDEXER_HEADS_IN_FLIGHT;
 constexpr int kGroupLanes = 8;                 // lanes per row
 constexpr int kGroups = 256 / kGroupLanes;     // rows per block
 
@@ -202,6 +204,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);     // flagged by the token's k row if out of range
   const uint16_t* q_t = static_cast<const uint16_t*>(a.q) + t * a.q_st;
   const int64_t H = a.H;
+  constexpr int kHeadsInFlight = MODE == 0 ? DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 : DSQ_INDEXER_HEADS_IN_FLIGHT_FP4;
   float c[8], s[8];
   bool have_table = false;
   for (int64_t h0 = h_begin + g; h0 < h_end; h0 += kGroups * kHeadsInFlight) {
