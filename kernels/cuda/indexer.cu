@@ -30,8 +30,11 @@ namespace {
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
 #define DSQ_INDEXER_HEADS_IN_FLIGHT_FP4 1
 #endif
-#ifndef DSQ_INDEXER_MIN_BLOCKS
-#define DSQ_INDEXER_MIN_BLOCKS 3
+#ifndef DSQ_INDEXER_MIN_BLOCKS_FP8       // resident blocks per SM asked of the register allocator
+#define DSQ_INDEXER_MIN_BLOCKS_FP8 3
+#endif
+#ifndef DSQ_INDEXER_MIN_BLOCKS_FP4
+#define DSQ_INDEXER_MIN_BLOCKS_FP4 3
 #endif
 #ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS
 #define DSQ_INDEXER_WHOLE_TOKEN_UNITS 2048   // T * ceil(H/32) from which a q block takes a whole token
@@ -336,7 +339,7 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
 
 // q blocks: T * chunks, each `chunk_heads` heads of one token; then the k blocks.
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__global__ void __launch_bounds__(256, DSQ_INDEXER_MIN_BLOCKS) indexer_kernel(IndexerArgs a, int64_t chunks,
+__global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4) indexer_kernel(IndexerArgs a, int64_t chunks,
                                                                              int64_t chunk_heads) {
   const int64_t b = blockIdx.x, nq = a.T * chunks;
   if (b < nq) {
