@@ -24,17 +24,17 @@ namespace {
 
 // Tuning (measured on the H200: benchmarks/results/h200-2026-11-29-s3/NOTES.md); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
-#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows whose loads a group issues before processing them
-#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2
+#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows a group loads before processing them (1: more blocks fit)
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 1
 #endif
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
 #define DSQ_INDEXER_HEADS_IN_FLIGHT_FP4 1
 #endif
 #ifndef DSQ_INDEXER_MIN_BLOCKS_FP8       // resident blocks per SM asked of the register allocator
-#define DSQ_INDEXER_MIN_BLOCKS_FP8 3
+#define DSQ_INDEXER_MIN_BLOCKS_FP8 4
 #endif
 #ifndef DSQ_INDEXER_MIN_BLOCKS_FP4
-#define DSQ_INDEXER_MIN_BLOCKS_FP4 3
+#define DSQ_INDEXER_MIN_BLOCKS_FP4 4
 #endif
 #ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS
 #define DSQ_INDEXER_WHOLE_TOKEN_UNITS 2048   // T * ceil(H/32) from which a q block takes a whole token
