@@ -344,7 +344,8 @@ __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : 
   const int64_t b = blockIdx.x, nq = a.T * chunks;
   if (b < nq) {
     const int64_t t = b / chunks, h_begin = (b % chunks) * chunk_heads;
-    q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, min(h_begin + chunk_heads, a.H));
+    const int64_t h_end = h_begin + chunk_heads < a.H ? h_begin + chunk_heads : a.H;
+    q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, h_end);
   } else {
     const int64_t t = (b - nq) * kGroups + (threadIdx.x >> 3);
     if (t < a.T) k_row<MODE, IN_DT, CDT, NEOX>(a, t);

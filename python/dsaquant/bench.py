@@ -44,6 +44,38 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times[3:]) / 1e9
 
 
+def _median_event_seconds(fn, reps: int, warmup: int = 3) -> float:
+    times = []
+    for _ in range(reps + warmup):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return statistics.median(times[warmup:])
+
+
+def tensor_core_ceilings(n: int = 8192, reps: int = 10) -> dict:
+    """Dense n x n x n matrix products on random data (never zeros), TFLOP/s = 2 n^3 / median seconds:
+    'bf16' (torch.matmul) and 'fp8' (torch._scaled_mm, e4m3fn x e4m3fn -> bf16, unit scales), the ceilings
+    the scorer's bf16 and fp8 dots are compared with. A product this torch cannot run is left out."""
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    out["bf16"] = 2 * n ** 3 / _median_event_seconds(lambda: a @ b, reps) / 1e12
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        mm = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        mm()
+        out["fp8"] = 2 * n ** 3 / _median_event_seconds(mm, reps) / 1e12
+    except Exception:   # no fp8 matrix product in this torch / on this device
+        pass
+    return out
+
+
 def time_calls(fn, arg_sets, reps: int = 30) -> float:
     """Median seconds of one call, rotating over `arg_sets`."""
     for a in arg_sets:
@@ -188,19 +220,27 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
             bench_case(label, T, op, fn, make, nbytes, heads)
     for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
         bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None)
-    scorer_rows = []
+    scorer_rows, tc = [], {}
     if "triton" in backends:
         try:
             from .triton.scorer import bench_scorer
+            tc = tensor_core_ceilings()
+            log("tensor-core ceilings (dense 8192^3 products): "
+                + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()))
             for layout in ("fp8_132", "packed68", "aiter_fp4"):
                 for (B, N, ctx) in ((64, 1, 8192), (4, 4, 32768)):
                     us, moved, flops = bench_scorer(layout, B, N, heads, ctx)
+                    # the fp8_132 scorer runs an fp8 dot where the device has one, the FP4 layouts a bf16 dot
+                    dot = "fp8" if layout == "fp8_132" and "fp8" in tc else "bf16"
+                    tflops = flops / us / 1e6
                     scorer_rows.append(dict(op=f"paged_mqa_logits {layout}", batch=B, next_n=N, context=ctx,
                                             backend="triton", us=us, gb_s=moved / us / 1e3,
-                                            pct_copy=100 * moved / us / 1e3 / bw, tflops=flops / us / 1e6))
+                                            pct_copy=100 * moved / us / 1e3 / bw, tflops=tflops, dot=dot,
+                                            pct_tc=100 * tflops / tc[dot] if dot in tc else None))
         except Exception as e:
             log(f"  scorer benchmark failed: {type(e).__name__}: {e}")
-    return dict(copy_gb_s=bw, device=torch.cuda.get_device_name(), rows=rows, scorer=scorer_rows)
+    return dict(copy_gb_s=bw, device=torch.cuda.get_device_name(), rows=rows, scorer=scorer_rows,
+                tensor_core_tflops=tc)
 
 
 def format_table(res) -> str:
@@ -210,11 +250,15 @@ def format_table(res) -> str:
         out.append(f"| {r['op']} | {r['tokens']} | {r['backend']} | {r['us']:.2f} | {r['gb_s']:.0f} | "
                    f"{r['pct_copy']:.1f} | {r['timing']} |")
     if res["scorer"]:
-        out += ["", "| scorer | batch | next_n | context | backend | median µs | GB/s | % copy | TFLOP/s |",
-                "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+        tc = res.get("tensor_core_tflops") or {}
+        out += ["", "tensor-core ceilings (dense 8192^3 products, same run): "
+                + (", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()) or "not measured"), "",
+                "| scorer | batch | next_n | context | backend | median µs | GB/s | % copy | TFLOP/s | dot | % of dot ceiling |",
+                "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"]
         for r in res["scorer"]:
+            pct = f"{r['pct_tc']:.1f}" if r.get("pct_tc") is not None else "-"
             out.append(f"| {r['op']} | {r['batch']} | {r['next_n']} | {r['context']} | {r['backend']} | {r['us']:.1f} | "
-                       f"{r['gb_s']:.0f} | {r['pct_copy']:.1f} | {r['tflops']:.1f} |")
+                       f"{r['gb_s']:.0f} | {r['pct_copy']:.1f} | {r['tflops']:.1f} | {r.get('dot', '-')} | {pct} |")
     return "\n".join(out)
 
 
