@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 import dsaquant as dq  # noqa: E402
 from dsaquant import dispatch, errors, testing as tt  # noqa: E402
 
-from .counts import record  # noqa: E402
+from .counts import byte_diff, record  # noqa: E402
 
 if not dispatch.available("triton")[0]:
     pytest.skip(f"triton backend unavailable: {dispatch.available('triton')[1]}", allow_module_level=True)
@@ -53,12 +53,6 @@ def inject(x: torch.Tensor, which: int = 0) -> torch.Tensor:
 
 def clone_args(args: dict) -> dict:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
 
 
 class mode_ctx:
@@ -98,16 +92,7 @@ def run_pair(op_name: str, fn, args: dict, mode: str, label: str, returns=False,
         rr = r_ref if isinstance(r_ref, tuple) else (r_ref,)
         rt = r_tr if isinstance(r_tr, tuple) else (r_tr,)
         pairs += [(f"ret{i}", x, y) for i, (x, y) in enumerate(zip(rr, rt))]
-    total = bad = 0
-    where = []
-    for name, x, y in pairs:
-        xb, yb = _bytes(x), _bytes(y)
-        total += xb.numel()
-        n = int((xb != yb).sum())
-        if n:
-            bad += n
-            idx = torch.nonzero(xb != yb).reshape(-1)[:4].tolist()
-            where.append(f"{name}: {n} bytes at {idx} ref {xb[idx].tolist()} triton {yb[idx].tolist()}")
+    total, bad, where = byte_diff(pairs, "triton")
     record(mode, op_name, total, bad)
     t = TOTAL.setdefault(f"{mode} {op_name}", [0, 0, 0])
     t[0] += 1

@@ -38,7 +38,7 @@ if not torch.cuda.is_available():
 import dsaquant as dq  # noqa: E402
 from dsaquant import dispatch, errors, testing as tt  # noqa: E402
 
-from .counts import record  # noqa: E402
+from .counts import byte_diff, record  # noqa: E402
 
 DEV = torch.device("cuda")
 CANDIDATES = ("triton", "cuda")
@@ -76,12 +76,6 @@ def clone_args(args: dict) -> dict:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
 def _flag() -> int:
     torch.cuda.synchronize()
     f = errors.flag_tensor(DEV)
@@ -93,16 +87,7 @@ def _flag() -> int:
 def compare(op: str, backend: str, label: str, pairs, flags=None):
     """Byte-compare (name, reference tensor, backend tensor) pairs; record the counts; assert equality (and
     equal error flags when given as (reference, backend))."""
-    total = bad = 0
-    where = []
-    for name, x, y in pairs:
-        xb, yb = _bytes(x), _bytes(y)
-        total += xb.numel()
-        n = int((xb != yb).sum())
-        if n:
-            bad += n
-            idx = torch.nonzero(xb != yb).reshape(-1)[:4].tolist()
-            where.append(f"{name}: {n} bytes at {idx} ref {xb[idx].tolist()} got {yb[idx].tolist()}")
+    total, bad, where = byte_diff(pairs)
     record(backend, op, total, bad)
     assert bad == 0, f"{backend} {op} {label}: {bad} of {total} bytes differ: " + "; ".join(where)
     if flags is not None:
