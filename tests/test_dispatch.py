@@ -145,27 +145,36 @@ def test_info_reports_all_backends():
     assert d["torch"] == torch.__version__ and d["dsaquant"] == dsaquant.__version__
 
 
-def test_threads_give_the_same_bytes_as_sequential_calls():
-    n = 8
-    seq = [_bytes(_indexer_call(seed=i)) for i in range(n)]
-    args = [tt.make_indexer(T=16, H=16, mode="fp8", page_size=16, seed=i) for i in range(n)]
+def _race(n, work):
+    """Run work(0) .. work(n-1) in n threads released together by a barrier; assert that none raised."""
     barrier = threading.Barrier(n)
     errors = []
 
-    def work(i):
+    def run(i):
         try:
             barrier.wait()
-            for _ in range(3):
-                dsaquant.indexer_qk_rope_quant_and_cache(**args[i])
+            work(i)
         except Exception as e:   # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_threads_give_the_same_bytes_as_sequential_calls():
+    n = 8
+    seq = [_bytes(_indexer_call(seed=i)) for i in range(n)]
+    args = [tt.make_indexer(T=16, H=16, mode="fp8", page_size=16, seed=i) for i in range(n)]
+
+    def work(i):
+        for _ in range(3):
+            dsaquant.indexer_qk_rope_quant_and_cache(**args[i])
+
+    _race(n, work)
     for i in range(n):
         for x, y in zip(seq[i], _bytes(args[i])):
             assert torch.equal(x, y), i
@@ -177,22 +186,12 @@ def test_threads_racing_the_first_backend_load(monkeypatch):
     monkeypatch.setattr(dispatch, "_loaded", set())
     monkeypatch.setattr(dispatch, "_load_errors", {})
     n = 8
-    barrier = threading.Barrier(n)
-    got, errors = [None] * n, []
+    got = [None] * n
 
     def work(i):
-        try:
-            barrier.wait()
-            got[i] = (dispatch.choose("paged_mqa_logits", CPU), dispatch.available("cuda"))
-        except Exception as e:   # pragma: no cover
-            errors.append(e)
+        got[i] = (dispatch.choose("paged_mqa_logits", CPU), dispatch.available("cuda"))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _race(n, work)
     assert dispatch._loaded >= {"reference", "cuda"}
     assert all(g == ("reference", dispatch.available("cuda")) for g in got), got
     ok, why = dispatch.available("cuda")
