@@ -13,8 +13,8 @@ tables as slices.
 
 The strided / broadcast positions and slot maps, the strided weights_out and a position tensor broadcast
 from one element are included: they were the `cuda` backend's stride bug (fixed: backends/compiled.py makes
-index tensors dense and passes weights_out's strides; tests/gpu/test_reliability_gpu.py). `--compare` also checks every case byte for byte
-against backend="reference" (slower). With TRITON_INTERPRET=1 and backend triton it dry-runs on the CPU.
+index tensors dense and passes weights_out's strides; tests/gpu/test_reliability_gpu.py). `--compare` also
+checks every case byte for byte against backend="reference" (slower). With TRITON_INTERPRET=1 and backend triton it dry-runs on the CPU.
 """
 import sys
 from pathlib import Path

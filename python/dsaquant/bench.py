@@ -33,23 +33,16 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Device-to-device copy, GB/s counting bytes read plus bytes written (median)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * nbytes / statistics.median(times[3:]) / 1e9
+    return 2 * nbytes / _median_event_seconds(lambda i: dst.copy_(src), reps) / 1e9
 
 
 def _median_event_seconds(fn, reps: int, warmup: int = 3) -> float:
+    """Median seconds of fn(i) between two CUDA events, over reps calls after `warmup` untimed ones."""
     times = []
-    for _ in range(reps + warmup):
+    for i in range(reps + warmup):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        fn(i)
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e-3)
@@ -64,11 +57,11 @@ def tensor_core_ceilings(n: int = 8192, reps: int = 10) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    out["bf16"] = 2 * n ** 3 / _median_event_seconds(lambda: a @ b, reps) / 1e12
+    out["bf16"] = 2 * n ** 3 / _median_event_seconds(lambda i: a @ b, reps) / 1e12
     try:
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         one = torch.ones((), device="cuda")
-        mm = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        mm = lambda i=0: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
         mm()
         out["fp8"] = 2 * n ** 3 / _median_event_seconds(mm, reps) / 1e12
     except Exception:   # no fp8 matrix product in this torch / on this device
@@ -81,16 +74,7 @@ def time_calls(fn, arg_sets, reps: int = 30) -> float:
     for a in arg_sets:
         fn(a)
     torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a = arg_sets[i % len(arg_sets)]
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return statistics.median(times)
+    return _median_event_seconds(lambda i: fn(arg_sets[i % len(arg_sets)]), reps, warmup=0)
 
 
 def time_graph(fn, arg_sets, calls: int = 100, reps: int = 20) -> float:
@@ -109,15 +93,7 @@ def time_graph(fn, arg_sets, calls: int = 100, reps: int = 20) -> float:
             fn(arg_sets[i % len(arg_sets)])
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3 / calls)
-    return statistics.median(times)
+    return _median_event_seconds(lambda i: g.replay(), reps, warmup=0) / calls
 
 
 def cases(T: int, H: int):
