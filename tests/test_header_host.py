@@ -210,6 +210,26 @@ def test_e2m1_every_bf16_at_every_exponent(h, header_counts, policy):
 
 
 @pytest.mark.parametrize("policy", list(POLICY))
+def test_e2m1_encode8_bf16_every_value_every_exponent(h, header_counts, policy):
+    """The packed bf16 encoder (e2m1x8.h, the CUDA FP4 indexer's for bf16 inputs) on all 65536 bf16
+    patterns at every exponent e in 1..255 (16.7M codes) against the reference quantizer's codes:
+    NaN counts as the canonical NaN, e = 255 is the NaN-scale rule (SPEC §3)."""
+    xbits = np.arange(65536, dtype=np.uint32)
+    # Shuffled so that every group of 8 mixes classes (NaN, Inf, zeros, subnormals, both signs).
+    xbits = xbits[np.random.default_rng(SEED + 11).permutation(xbits.size)]
+    es = np.arange(1, 256, dtype=np.int32)
+    got = h.e2m1_encode8_bf16_grid(xbits.astype(np.uint16), es, POLICY[policy])
+    tx = arith.canon_nan(t32((xbits << 16).view(np.float32)))
+    sign = (tx.view(torch.int32) < 0).to(torch.uint8)
+    for i in range(0, es.size, 32):
+        e = torch.from_numpy(es[i:i + 32])
+        codes = fp4.e2m1_encode(tx[None, :] / arith.pow2(e)[:, None], policy)
+        fill = (sign << 3) | 7 if policy == "hardware" else torch.full_like(sign, 7)
+        codes = torch.where((e == 255)[:, None], fill[None, :].expand_as(codes), codes)
+        check(header_counts, f"e2m1 packed bf16 x all e, {policy}", got[i:i + 32], fp4.pack_nibbles(codes))
+
+
+@pytest.mark.parametrize("policy", list(POLICY))
 def test_e2m1_fp32_sweep(h, header_counts, policy):
     rng = np.random.default_rng(SEED + 3)
     mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, 2.0**-126], dtype=np.float32)

@@ -71,11 +71,12 @@ template <int DT>
 __device__ __forceinline__ float hi_f32(uint32_t w) {
   return DT == kBF16 ? u2f(w & 0xFFFF0000u) : fp16_to_f32(static_cast<uint16_t>(w >> 16));
 }
+// The first n (8: the a values only, or 16) values of a row as fp32.
 template <int DT>
-__device__ __forceinline__ void unpack(const Raw& r, float (&v)[16]) {
+__device__ __forceinline__ void unpack(const Raw& r, float (&v)[16], int n = 16) {
   const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < n / 2; ++i) {
     v[2 * i] = lo_f32<DT>(w[i]);
     v[2 * i + 1] = hi_f32<DT>(w[i]);
   }
@@ -112,10 +113,10 @@ __device__ __forceinline__ void rope_entries(const RopeArgs& tab, int64_t p, int
   }
 }
 
-// SPEC §5 RoPE of the a values (dims 0..63), then the rounding to the input dtype (SPEC §7.1).
-// neox: a' = fl(fl(a*c) - fl(b*s)) on lanes 0..3, b' = fl(fl(b*c) + fl(a*s)) on lanes 4..7 (x - y is
-// x + (-y) exactly, so both are one add of the two products).
-template <bool NEOX, int IN_DT>
+// SPEC §5 RoPE of the a values v[0..7] (dims 0..63), in fp32; callers round them to the input dtype
+// (SPEC §7.1). neox: a' = fl(fl(a*c) - fl(b*s)) on lanes 0..3, b' = fl(fl(b*c) + fl(a*s)) on lanes 4..7
+// (x - y is x + (-y) exactly, so both are one add of the two products).
+template <bool NEOX>
 __device__ __forceinline__ void rope_a(unsigned mask, int lane, float (&v)[16], const float (&c)[8], const float (&s)[8]) {
   if (NEOX) {
     const bool first = lane < 4;
@@ -128,7 +129,6 @@ __device__ __forceinline__ void rope_a(unsigned mask, int lane, float (&v)[16], 
 #pragma unroll
     for (int i = 0; i < 4; ++i) rope_pair(v[2 * i], v[2 * i + 1], c[i], s[i]);
   }
-  round8<IN_DT>(v, 0);
 }
 
 // NaN-ignoring max |x| of the lane's a values (h = 0), b values (h = 1) or all 16 (h = 2), then over
@@ -163,6 +163,47 @@ __device__ __forceinline__ void fp4_quant(unsigned mask, const float (&v)[16], u
   }
   bytes_a = w[0];
   bytes_b = w[1];
+}
+
+// The same for bf16 inputs on NVIDIA (sm_80+), two values per operation (e2m1x8.h): xa[j] holds the
+// lane's a values j and j + 4 (xb: its b values), bf16. The block amax is a bf16x2 max (exact; a NaN
+// is ignored, an all-NaN block gives 0), the a and b blocks' in one word through the shuffles.
+#if defined(DSQ_BF16X2_NATIVE)
+constexpr bool kPackedFp4Native = true;
+#else
+constexpr bool kPackedFp4Native = false;
+#endif
+template <Rounding R>
+__device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&xa)[4], const uint32_t (&xb)[4],
+                                               uint32_t& bytes_a, uint32_t& bytes_b, int& e_a, int& e_b) {
+  uint32_t aa[4], ab[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    aa[j] = bf16x2_abs(xa[j]);
+    ab[j] = bf16x2_abs(xb[j]);
+  }
+  const uint32_t ma = bf16x2_max_nn(bf16x2_max_nn(aa[0], aa[1]), bf16x2_max_nn(aa[2], aa[3]));
+  const uint32_t mb = bf16x2_max_nn(bf16x2_max_nn(ab[0], ab[1]), bf16x2_max_nn(ab[2], ab[3]));
+  uint32_t m = bf16x2_max_nn(byte_perm(ma, mb, 0x5410u), byte_perm(ma, mb, 0x7632u));   // (a, b)
+  m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 2, kGroupLanes));
+  m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 1, kGroupLanes));
+  e_a = ue8m0_exponent(fmax_nn(u2f(m << 16), 0.0f), ScaleRule::recip);            // NaN (all-NaN) -> 0
+  e_b = ue8m0_exponent(fmax_nn(u2f(m & 0xFFFF0000u), 0.0f), ScaleRule::recip);
+  bytes_a = e2m1_encode8_bf16<R>(xa, aa, e_a);
+  bytes_b = e2m1_encode8_bf16<R>(xb, ab, e_b);
+}
+
+// Eight consecutive bf16 values (x0|x1, x2|x3, x4|x5, x6|x7) -> the encoder's pairs (xj | x(j+4)).
+__device__ __forceinline__ void pair_j_j4(const uint4& w, uint32_t (&x)[4]) {
+  x[0] = byte_perm(w.x, w.z, 0x5410u);
+  x[1] = byte_perm(w.x, w.z, 0x7632u);
+  x[2] = byte_perm(w.y, w.w, 0x5410u);
+  x[3] = byte_perm(w.y, w.w, 0x7632u);
+}
+// Values v[i0 + j] and v[i0 + j + 4] rounded to bf16 (SPEC §7.1) as the encoder's pairs.
+__device__ __forceinline__ void round_j_j4(const float (&v)[16], int i0, uint32_t (&x)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = round_pair_any_nan(v[i0 + j], v[i0 + j + 4], true);
 }
 
 // FP8 (SPEC §4): the row's scale and the lane's 8 + 8 codes (codes[0..1]: a, codes[2..3]: b).
@@ -232,8 +273,10 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
       if (h >= h_end) break;
       const int64_t row = t * H + h;
       float v[16];
-      unpack<IN_DT>(raw[i], v);
-      rope_a<NEOX, IN_DT>(mask, lane, v, c, s);
+      constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
+      unpack<IN_DT>(raw[i], v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
+      rope_a<NEOX>(mask, lane, v, c, s);
+      if constexpr (!packed) round8<IN_DT>(v, 0);
       if constexpr (MODE == 0) {
         uint32_t codes[4];
         const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
@@ -244,7 +287,14 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
       } else {
         uint32_t ba, bb;
         int ea, eb;
-        fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+        if constexpr (packed) {
+          uint32_t xa[4], xb[4];
+          round_j_j4(v, 0, xa);
+          pair_j_j4(raw[i].b, xb);
+          fp4_quant_bf16<static_cast<Rounding>(MODE - 1)>(mask, xa, xb, ba, bb, ea, eb);
+        } else {
+          fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+        }
         uint32_t* out = reinterpret_cast<uint32_t*>(a.q_out + row * 64);
         out[lane] = ba;
         out[8 + lane] = bb;
@@ -312,7 +362,9 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
   }
   round8<IN_DT>(v, 0);
   round8<IN_DT>(v, 8);
-  rope_a<NEOX, IN_DT>(mask, lane, v, c, s);
+  rope_a<NEOX>(mask, lane, v, c, s);
+  constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
+  if constexpr (!packed) round8<IN_DT>(v, 0);
   if constexpr (MODE == 0) {
     uint32_t codes[4];
     const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::k, a.ue8m0, codes);
@@ -326,7 +378,14 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
   } else {
     uint32_t ba, bb;
     int ea, eb;
-    fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+    if constexpr (packed) {
+      uint32_t xa[4], xb[4];
+      round_j_j4(v, 0, xa);   // the RoPE'd values' rounding
+      round_j_j4(v, 8, xb);   // exact (rounded after the norm)
+      fp4_quant_bf16<static_cast<Rounding>(MODE - 1)>(mask, xa, xb, ba, bb, ea, eb);
+    } else {
+      fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+    }
     *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = ba;
     *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 32 + 4 * lane)) = bb;
     if ((lane & 3) == 0) {

@@ -163,6 +163,28 @@ def special_rows(x: torch.Tensor, which: int = 0) -> torch.Tensor:
     return x
 
 
+def every_bf16_blocks(seed: int = 0) -> torch.Tensor:
+    """FP4 blocks that put every finite bf16 value at many places of the E2M1 grid: bf16 [N, 32].
+
+    The finite magnitudes, sorted, are cut into runs of 31; each run gets a 32nd element, its largest
+    magnitude times 1, 2, 4, 16 or 64 (the block amax; times 64 can overflow to Inf, a NaN-scale block),
+    so each value is quantized at five scales relative to its neighbours. Signs are random, positions
+    within a block shuffled, and 64 blocks more carry NaN, -NaN, +Inf and -Inf among ordinary values."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.arange(0x8000, dtype=torch.int32)
+    mags = (bits[(bits & 0x7F80) != 0x7F80] << 16).view(torch.float32)   # +0 .. bf16 max, ascending
+    n = mags.numel() // 31 * 31
+    runs = mags[:n].reshape(-1, 31)
+    blocks = torch.cat([torch.cat([runs[:, -1:] * m, runs], dim=1) for m in (1.0, 2.0, 4.0, 16.0, 64.0)])
+    special = blocks[torch.randint(0, blocks.shape[0], (64,), generator=g)].clone()
+    for j, v in enumerate((float("nan"), -float("nan"), float("inf"), -float("inf"))):
+        special[j::4, torch.randint(0, 32, (1,), generator=g)] = v
+    blocks = torch.cat([blocks, special])
+    sign = torch.where(torch.rand(blocks.shape, generator=g) < 0.5, -1.0, 1.0)
+    perm = torch.rand(blocks.shape, generator=g).argsort(dim=1)
+    return (blocks * sign).gather(1, perm).to(torch.bfloat16)
+
+
 def topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     """Mean over rows of |topk(a) ∩ topk(b)| / k (rows of fp32 logits; -inf entries never count)."""
     k = min(k, a.shape[-1])

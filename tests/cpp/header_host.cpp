@@ -124,6 +124,29 @@ PYBIND11_MODULE(dsq_header_host, m) {
       }
     return out;
   });
+  // The packed bf16 encoder (e2m1x8.h): x = bf16 bits, groups of 8 values of one block, at every
+  // exponent es[i] -> packed bytes [len(es), len(x)/2].
+  m.def("e2m1_encode8_bf16_grid", [](const arr<uint16_t>& x, const arr<int32_t>& es, int r) {
+    const auto rr = rounding(r);
+    const py::ssize_t n = x.size(), ne = es.size();
+    need(n % 8 == 0, "length a multiple of 8");
+    auto out = shaped<uint8_t>({ne, n / 2});
+    uint8_t* o = out.mutable_data();
+    for (py::ssize_t i = 0; i < ne; ++i)
+      for (py::ssize_t g = 0; g < n; g += 8) {
+        uint32_t w[4], aw[4];
+        for (int j = 0; j < 4; ++j) {
+          w[j] = x.data()[g + j] | (static_cast<uint32_t>(x.data()[g + j + 4]) << 16);
+          aw[j] = dsq::bf16x2_abs(w[j]);
+        }
+        const int e = es.data()[i];
+        const uint32_t b = rr == dsq::Rounding::threshold ? dsq::e2m1_encode8_bf16<dsq::Rounding::threshold>(w, aw, e)
+                           : rr == dsq::Rounding::rne     ? dsq::e2m1_encode8_bf16<dsq::Rounding::rne>(w, aw, e)
+                                                          : dsq::e2m1_encode8_bf16<dsq::Rounding::hardware>(w, aw, e);
+        for (int k = 0; k < 4; ++k) o[i * (n / 2) + g / 2 + k] = static_cast<uint8_t>(b >> (8 * k));
+      }
+    return out;
+  });
   m.def("pack_nibbles", [](const arr<uint8_t>& c) {
     need(c.ndim() == 2 && c.shape(1) % 2 == 0, "codes [R, even]");
     auto out = shaped<uint8_t>({c.shape(0), c.shape(1) / 2});

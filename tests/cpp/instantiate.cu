@@ -30,6 +30,19 @@ extern "C" __global__ void fp4_emulated_kernel(const float* x, int rule, uint8_t
   fp4_encode_block32(blk, e, Rounding::threshold, out + 16 * (b + gridDim.x * blockDim.x));
 }
 
+// The packed bf16 encoder (e2m1x8.h), every policy: 8 values per thread.
+extern "C" __global__ void fp4_bf16x8_kernel(const uint32_t* x, const int* e, uint32_t* out) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t w[4], aw[4];
+  for (int j = 0; j < 4; ++j) {
+    w[j] = x[4 * b + j];
+    aw[j] = bf16x2_abs(w[j]);
+  }
+  out[3 * b] = e2m1_encode8_bf16<Rounding::threshold>(w, aw, e[b]);
+  out[3 * b + 1] = e2m1_encode8_bf16<Rounding::rne>(w, aw, e[b]);
+  out[3 * b + 2] = e2m1_encode8_bf16<Rounding::hardware>(w, aw, e[b]) ^ bf16x2_max_nn(w[0], w[1]) ^ byte_perm(w[2], w[3], 0x5410u);
+}
+
 // SPEC §0, §1-§4 scalar helpers.
 extern "C" __global__ void scalar_kernel(const float* x, float* f, uint32_t* u, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;

@@ -96,6 +96,27 @@ def test_indexer(backend, case):
              ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"), backend, "indexer", str(case))
 
 
+@pytest.mark.parametrize("backend", BACKENDS + [b for b in ("triton",) if dispatch.available(b)[0]])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_indexer_fp4_every_bf16_value(backend, policy):
+    """FP4 mode on tt.every_bf16_blocks (every finite bf16 value at five relative scales, NaN and Inf
+    blocks) in the q rows, at position 0 (cos 1, sin 0: the RoPE half keeps its values, so both the RoPE'd
+    and the plain half encode every value). The CUDA kernel's packed bf16 encoder (e2m1x8.h) on the GPU."""
+    blocks = tt.every_bf16_blocks(seed=7)
+    H = 64
+    T = -(-blocks.shape[0] // (4 * H))
+    rows = torch.zeros(T * H * 4, 32, dtype=torch.bfloat16)
+    rows[:blocks.shape[0]] = blocks
+    a = tt.make_indexer(T=T, H=H, mode="fp4", device=DEV, seed=11, rounding=policy)
+    a["q"] = rows.reshape(T, H, 128).to(DEV)
+    a["positions"].zero_()
+    a["cos_cache"][0] = 1.0
+    a["sin_cache"][0] = 0.0
+    run_pair(dq.indexer_qk_rope_quant_and_cache, a,
+             ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"), backend, "indexer fp4 every bf16",
+             policy)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T", T_GRID)
 @pytest.mark.parametrize("ratio", (1, 2, 4))

@@ -1,0 +1,149 @@
+// dsaquant/e2m1x8.h: the E2M1 block encoder (SPEC §1-§3) for bf16 inputs, two values per 32-bit
+// operation: eight values of one block -> four packed bytes. Byte-identical to e2m1_encode_pair on
+// the same values (tests/test_header_host.py: every bf16 value at every exponent, every policy).
+//
+// Why: the scalar encoder (e2m1.h) costs about 15 integer instructions per value, which bounds the
+// FP4 indexer on the ALU pipe. Here the rounding is done by the bf16 FMA unit, two values at a time:
+//   c = min(|v|, 6)                         (NaN -> 6, so m = 7)
+//   M = 2^(E'+6), E' = max(floor(log2 c), 0) (then bf16's ulp at M is E2M1's quantum at c: 0.5, 1, 2)
+//   R = fl(c*K + M)                          one rounding onto the quantum; K = 1 rounds half to even
+//                                            (rne, hardware); K = 1 - 2^-8 sends ties down (threshold:
+//                                            c*2^-8 is below one bf16 ulp of c, so only exact ties move)
+//   G = fl((R - M) * 2^-126)                 exact; the E2M1 grid value g scaled into bf16's smallest
+//                                            binades, where bits 6..8 of g * 2^-126 are the index m
+//                                            (0.5 -> 0x0040 -> 1, 1 -> 0x0080 -> 2, ..., 6 -> 0x01C0 -> 7).
+// The sign (bit 3) is the input's sign bit (a NaN counts as positive: the quantizer's canonical NaN);
+// threshold and rne keep it only where m != 0.
+//
+// Primitives: bf16x2_fma (one rounding, half to even, subnormals kept) and bf16x2_min_nn / max_nn
+// (a NaN operand is ignored). CUDA sm_80+: one instruction each (fma.rn.bf16x2, min/max.bf16x2).
+// Elsewhere (host, HIP) an exact emulation, so that the CPU tests check the same algorithm; the HIP
+// kernels keep the scalar encoder (gfx950's hardware-policy instruction lives there).
+#pragma once
+
+#include "e2m1.h"
+
+namespace dsq {
+
+// Packed bf16x2 words: value 0 in bits 0..15, value 1 in bits 16..31.
+#if defined(DSQ_CUDA_DEVICE) && (__CUDA_ARCH__ >= 800)
+#define DSQ_BF16X2_NATIVE 1
+#endif
+
+#if !defined(DSQ_BF16X2_NATIVE)
+// Exact emulation of one bf16 FMA: a*b is exact in double (8 + 8 significant bits); the sum is split
+// into its double rounding s and the exact error (two-sum), which breaks a tie of s at bf16 precision.
+DSQ_HD uint16_t bf16_fma_emulated(uint16_t a, uint16_t b, uint16_t c) {
+  const double p = static_cast<double>(bf16_to_f32(a)) * static_cast<double>(bf16_to_f32(b));
+  const double cd = bf16_to_f32(c);
+  const double s = p + cd;
+  if (s != s) return 0x7FC0u;                                     // NaN (payload: the canonical one)
+  if (s == 0.0) return sign_bit(static_cast<float>(s)) ? 0x8000u : 0u;
+  const uint16_t sg = s < 0.0 ? 0x8000u : 0u;
+  if (std::isinf(s)) return sg | 0x7F80u;
+  const double bb = s - p, err = (p - (s - bb)) + (cd - bb);     // s + err == p + c exactly
+  const double as = std::fabs(s);
+  int ex;
+  std::frexp(as, &ex);                                            // as in [2^(ex-1), 2^ex)
+  const int q = (ex - 1 > -126 ? ex - 1 : -126) - 7;              // bf16 ulp 2^q at as (subnormal floor)
+  const double k = std::ldexp(as, -q);                            // exact
+  const double fl = std::floor(k);
+  double r = std::nearbyint(k);                                   // half to even
+  if (k - fl == 0.5 && err != 0.0) r = ((err > 0.0) == (s > 0.0)) ? fl + 1.0 : fl;
+  const double mag = std::ldexp(r, q);
+  if (mag >= 0x1p128) return sg | 0x7F80u;
+  return static_cast<uint16_t>(sg | (f2u(static_cast<float>(mag)) >> 16));
+}
+#endif
+
+// Per half: fl_bf16(a * b + c), one rounding to nearest even.
+DSQ_HD uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(DSQ_BF16X2_NATIVE)
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  const uint32_t lo = bf16_fma_emulated(a & 0xFFFFu, b & 0xFFFFu, c & 0xFFFFu);
+  const uint32_t hi = bf16_fma_emulated(a >> 16, b >> 16, c >> 16);
+  return lo | (hi << 16);
+#endif
+}
+
+// Per half: the smaller / larger value, a NaN operand ignored (two NaNs give a NaN).
+DSQ_HD uint32_t bf16x2_min_nn(uint32_t a, uint32_t b) {
+#if defined(DSQ_BF16X2_NATIVE)
+  uint32_t d;
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  const auto one = [](uint32_t x, uint32_t y) { return f2u(fmin_nn(bf16_to_f32(x & 0xFFFFu), bf16_to_f32(y & 0xFFFFu))) >> 16; };
+  return one(a, b) | (one(a >> 16, b >> 16) << 16);
+#endif
+}
+DSQ_HD uint32_t bf16x2_max_nn(uint32_t a, uint32_t b) {
+#if defined(DSQ_BF16X2_NATIVE)
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  const auto one = [](uint32_t x, uint32_t y) { return f2u(fmax_nn(bf16_to_f32(x & 0xFFFFu), bf16_to_f32(y & 0xFFFFu))) >> 16; };
+  return one(a, b) | (one(a >> 16, b >> 16) << 16);
+#endif
+}
+
+// Byte permute (CUDA __byte_perm): byte i of the result is byte sel_i of the pair (b:a), sel_i the
+// i-th nibble of s (0..7).
+DSQ_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(DSQ_CUDA_DEVICE)
+  return __byte_perm(a, b, s);
+#else
+  const uint64_t ab = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) d |= static_cast<uint32_t>((ab >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return d;
+#endif
+}
+
+// The block's 1 / 2^(e-127) = 2^(127-e) in both halves (e in 1..254; 254 gives the subnormal 2^-127).
+DSQ_HD uint32_t bf16x2_inv_pow2(int e) {
+  const uint32_t h = e < 254 ? static_cast<uint32_t>(254 - e) << 7 : (e == 254 ? 0x0040u : 0u);
+  return h | (h << 16);
+}
+
+// Words of |x| (sign bits cleared), as the encoder and a bf16x2 amax take them.
+DSQ_HD uint32_t bf16x2_abs(uint32_t x) { return x & 0x7FFF7FFFu; }
+
+// SPEC §2 + §3, policy R: eight bf16 values of one block with biased exponent e (1..255), given as
+// x[j] = (value j, value j + 4) and ax[j] = bf16x2_abs(x[j]) -> four packed bytes (value 2i in the low
+// nibble of byte i, SPEC §1). NaN inputs count as the canonical (positive) NaN; e = 255 (a NaN scale)
+// gives sign | 0x7 under hardware and 0x7 otherwise (SPEC §3). Equals, byte for byte,
+// pack_nibbles(e2m1_encode_scaled(canon_nan(x[2i]), e, R), e2m1_encode_scaled(canon_nan(x[2i+1]), e, R)).
+template <Rounding R>
+DSQ_HD uint32_t e2m1_encode8_bf16(const uint32_t (&x)[4], const uint32_t (&ax)[4], int e) {
+  constexpr uint32_t kNegZero = 0x80008000u, kSix = 0x40C040C0u, kOne = 0x3F803F80u;
+  constexpr uint32_t k64 = 0x42804280u, kMinus2m120 = 0x83808380u, k2m126 = 0x00800080u;
+  constexpr uint32_t kK = R == Rounding::threshold ? 0x3F7F3F7Fu : kOne;   // 1 - 2^-8 : 1
+  const uint32_t s = bf16x2_inv_pow2(e);
+  uint32_t z[4], sgn[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t c = bf16x2_min_nn(bf16x2_fma(ax[j], s, kNegZero), kSix);    // min(|v|, 6), exact
+    const uint32_t mx = bf16x2_max_nn(c, kOne) & 0x7F807F80u;                  // 2^E'
+    const uint32_t r = bf16x2_fma(c, kK, bf16x2_fma(mx, k64, kNegZero));       // fl(c*K + M)
+    z[j] = bf16x2_fma(r, k2m126, bf16x2_fma(mx, kMinus2m120, kNegZero));       // (R - M) * 2^-126: m << 6
+    sgn[j] = x[j] & ~(ax[j] + 0x007F007Fu) & 0x80008000u;                      // sign bits, 0 for NaN
+  }
+  // Magnitudes: z[j] holds m of value j at bits 6..8 and of value j + 4 at bits 22..24.
+  const uint32_t lo = z[0] | (z[1] << 4), hi = z[2] | (z[3] << 4);
+  const uint32_t mag = (lo >> 6) | (hi << 2);
+  // Signs: bytes 1 and 3 of each word hold them at bit 7; gather values (0, 2, 4, 6) and (1, 3, 5, 7).
+  const uint32_t sg = (byte_perm(sgn[0], sgn[2], 0x7351u) >> 4) | byte_perm(sgn[1], sgn[3], 0x7351u);
+  uint32_t out;
+  if (R == Rounding::hardware)
+    out = mag | sg;
+  else
+    out = mag | (sg & (mag + 0x77777777u));   // bit 3 of a nibble m + 7 is set iff m != 0
+  const uint32_t nan_scale = R == Rounding::hardware ? (0x77777777u | sg) : 0x77777777u;
+  return e == 255 ? nan_scale : out;
+}
+
+}  // namespace dsq
