@@ -229,6 +229,15 @@ def test_e2m1_encode8_bf16_every_value_every_exponent(h, header_counts, policy):
         check(header_counts, f"e2m1 packed bf16 x all e, {policy}", got[i:i + 32], fp4.pack_nibbles(codes))
 
 
+def test_ue8m0_recip_exponent_bf16_every_amax(h, header_counts):
+    """The bf16 form of rule recip (e2m1x8.h) on every non-negative bf16 amax, against the reference
+    (a NaN amax, which only an all-NaN block gives, counts as 0)."""
+    b = np.arange(0x8000, dtype=np.uint32)
+    amax = t32((b << 16).view(np.float32))
+    want = fp4.ue8m0_exponent(torch.nan_to_num(amax, nan=0.0, posinf=float("inf")), "recip")
+    check(header_counts, "ue8m0 recip, bf16 amax", h.ue8m0_recip_exponent_bf16(b.astype(np.uint16)), want.to(torch.int32))
+
+
 @pytest.mark.parametrize("policy", list(POLICY))
 def test_e2m1_fp32_sweep(h, header_counts, policy):
     rng = np.random.default_rng(SEED + 3)

@@ -8,10 +8,10 @@
 // Eight values per lane (not four) halve the per-row work (scales, shuffles, stores, addresses) per value:
 // measured on the H200 (benchmarks/results/h200-2026-11-29-s3/NOTES.md).
 //
-// Blocks of 256 threads (32 groups). The first T * chunks blocks are q blocks: block b takes token
-// b / chunks and its heads c*32*hpg .. (c+1)*32*hpg - 1 (c = b % chunks, hpg heads per group); group g
-// takes the heads c*32*hpg + g + 32i. At large T a block takes a whole token (the slot, position and
-// RoPE entries are loaded once per group); at small T one head per group, so that a call's heads spread
+// Blocks of 256 threads (32 groups). The q blocks come first. At large T (whole-token mode) warp w of q
+// block b takes token 8b + w: its 4 groups share the token's heads (H/4 each at most), so the per-token
+// work (slot, position, RoPE entries, the division into tokens) is paid once per warp and token. At small
+// T, block b takes 32 heads of token b / ceil(H/32), one head per group, so that a call's heads spread
 // over several SMs (latency). The loads of up to kHeadsInFlight heads are issued before any is processed.
 // The last ceil(T/32) blocks are k blocks, one k row per group. 1-D grid (no 65535 limit).
 // Template parameters: MODE 0 = FP8; 1, 2, 3 = FP4 with rounding policy MODE-1 (SPEC §2); IN_DT the
@@ -95,12 +95,15 @@ __device__ __forceinline__ void round8(float (&v)[16], int i0) {
 }
 
 // The lane's RoPE table entries (SPEC §5, head RoPE on dims 0..63) at position p: neox: pairs
-// j = 8(l&3) .. +7 (lane l < 4 holds their first elements, lane l+4 their second), in c/s[0..7];
-// interleaved: pairs 4l .. 4l+3, in c/s[0..3].
+// j = 8(l&3) .. +7 (lane l < 4 holds their first elements, lane l+4 their second), in c/s[0..7], the
+// sines negated on lanes 0..3 (see rope_a); interleaved: pairs 4l .. 4l+3, in c/s[0..3].
 template <bool NEOX, int CDT>
 __device__ __forceinline__ void rope_entries(const RopeArgs& tab, int64_t p, int lane, float (&c)[8], float (&s)[8]) {
   if (NEOX) {
     rope_load<8, CDT>(tab, p, 8 * (lane & 3), c, s);
+    if (lane < 4)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = -s[i];
   } else {
     float c4[4], s4[4];
     rope_load<4, CDT>(tab, p, 4 * lane, c4, s4);
@@ -114,17 +117,14 @@ __device__ __forceinline__ void rope_entries(const RopeArgs& tab, int64_t p, int
 }
 
 // SPEC §5 RoPE of the a values v[0..7] (dims 0..63), in fp32; callers round them to the input dtype
-// (SPEC §7.1). neox: a' = fl(fl(a*c) - fl(b*s)) on lanes 0..3, b' = fl(fl(b*c) + fl(a*s)) on lanes 4..7
-// (x - y is x + (-y) exactly, so both are one add of the two products).
+// (SPEC §7.1). neox: a' = fl(fl(a*c) - fl(b*s)) on lanes 0..3, b' = fl(fl(b*c) + fl(a*s)) on lanes 4..7,
+// both as fl(fl(x*c) + fl(y*s')) with s' = -s on lanes 0..3 (rope_entries): fl(y*(-s)) = -fl(y*s) and
+// x - y is x + (-y), exactly.
 template <bool NEOX>
 __device__ __forceinline__ void rope_a(unsigned mask, int lane, float (&v)[16], const float (&c)[8], const float (&s)[8]) {
   if (NEOX) {
-    const bool first = lane < 4;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float t = fmul(shfl8(mask, v[i], 4), s[i]);
-      v[i] = fadd(fmul(v[i], c[i]), first ? -t : t);
-    }
+    for (int i = 0; i < 8; ++i) v[i] = fadd(fmul(v[i], c[i]), fmul(shfl8(mask, v[i], 4), s[i]));
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) rope_pair(v[2 * i], v[2 * i + 1], c[i], s[i]);
@@ -187,8 +187,8 @@ __device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&x
   uint32_t m = bf16x2_max_nn(byte_perm(ma, mb, 0x5410u), byte_perm(ma, mb, 0x7632u));   // (a, b)
   m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 2, kGroupLanes));
   m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 1, kGroupLanes));
-  e_a = ue8m0_exponent(fmax_nn(u2f(m << 16), 0.0f), ScaleRule::recip);            // NaN (all-NaN) -> 0
-  e_b = ue8m0_exponent(fmax_nn(u2f(m & 0xFFFF0000u), 0.0f), ScaleRule::recip);
+  e_a = ue8m0_recip_exponent_bf16(m & 0xFFFFu);   // on the amax's bits (an all-NaN block: 1, as amax 0)
+  e_b = ue8m0_recip_exponent_bf16(m >> 16);
   bytes_a = e2m1_encode8_bf16<R>(xa, aa, e_a);
   bytes_b = e2m1_encode8_bf16<R>(xb, ab, e_b);
 }
@@ -236,10 +236,11 @@ __device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, in
     static_cast<uint16_t*>(a.w_out)[i] = to_half_bits(w, a.w_out_dt);
 }
 
-// ---- q blocks: one token, 32 groups over (a chunk of) its heads ------------------------------------
+// ---- q rows: `ngroups` groups (a warp's 4, or a block's 32) share one token's heads ----------------
+// Group g takes the heads h_begin + g, h_begin + g + ngroups, ... below h_end.
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t h_begin, int64_t h_end) {
-  const int lane = threadIdx.x & 7, g = threadIdx.x >> 3;
+__device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_begin, int h_end, int g, int ngroups) {
+  const int lane = threadIdx.x & 7;
   const unsigned mask = group_mask8();
   // The slot, the position and the first heads' rows are loaded together (none depends on another):
   // at small T this dependent-load chain is most of the call. Rows of a skipped token are read and
@@ -247,16 +248,20 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);     // flagged by the token's k row if out of range
   const uint16_t* q_t = static_cast<const uint16_t*>(a.q) + t * a.q_st;
-  const int64_t H = a.H;
+  // The token's outputs: per-head offsets from these bases are 32-bit (a token's part is small).
+  const int H = static_cast<int>(a.H);
+  uint8_t* q_out_t = a.q_out + t * H * (MODE == 0 ? 128 : 64);
+  const int qs_pad = static_cast<int>(aiter_q_scale_pad(H));
+  uint8_t* q_scale_t = MODE == 0 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H);
   constexpr int kHeadsInFlight = MODE == 0 ? DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 : DSQ_INDEXER_HEADS_IN_FLIGHT_FP4;
   float c[8], s[8];
   bool have_table = false;
-  for (int64_t h0 = h_begin + g; h0 < h_end; h0 += kGroups * kHeadsInFlight) {
+  for (int h0 = h_begin + g; h0 < h_end; h0 += ngroups * kHeadsInFlight) {
     Raw raw[kHeadsInFlight];
     float w[kHeadsInFlight];
 #pragma unroll
     for (int i = 0; i < kHeadsInFlight; ++i) {
-      const int64_t h = h0 + kGroups * i;
+      const int h = h0 + ngroups * i;
       if (h < h_end) {
         raw[i] = load_raw(q_t + h * a.q_sh, lane, a.q_vec);
         w[i] = lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
@@ -269,9 +274,8 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
     }
 #pragma unroll
     for (int i = 0; i < kHeadsInFlight; ++i) {
-      const int64_t h = h0 + kGroups * i;
+      const int h = h0 + ngroups * i;
       if (h >= h_end) break;
-      const int64_t row = t * H + h;
       float v[16];
       constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
       unpack<IN_DT>(raw[i], v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
@@ -280,7 +284,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
       if constexpr (MODE == 0) {
         uint32_t codes[4];
         const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
-        uint2* out = reinterpret_cast<uint2*>(a.q_out + row * 128);
+        uint2* out = reinterpret_cast<uint2*>(q_out_t + h * 128);
         out[lane] = make_uint2(codes[0], codes[1]);
         out[8 + lane] = make_uint2(codes[2], codes[3]);
         if (lane == 0) store_weight(a, t, h, fmul(fmul(w[i], sc), a.weights_scale));
@@ -295,17 +299,17 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int64_t
         } else {
           fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
         }
-        uint32_t* out = reinterpret_cast<uint32_t*>(a.q_out + row * 64);
+        uint32_t* out = reinterpret_cast<uint32_t*>(q_out_t + h * 64);
         out[lane] = ba;
         out[8 + lane] = bb;
         if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3
           const int blk = lane >> 2;
-          a.q_scale_out[aiter_q_scale_offset(t, h, blk, H)] = static_cast<uint8_t>(ea);
-          a.q_scale_out[aiter_q_scale_offset(t, h, 2 + blk, H)] = static_cast<uint8_t>(eb);
+          q_scale_t[aiter_q_scale_in_token(h, blk, qs_pad)] = static_cast<uint8_t>(ea);
+          q_scale_t[aiter_q_scale_in_token(h, 2 + blk, qs_pad)] = static_cast<uint8_t>(eb);
           if (h < 16)   // pad entries h/16 >= H/16 of this (t, block, h % 16) are written 0
-            for (int64_t hp = H; hp < aiter_q_scale_pad(H) * 16; hp += 16) {
-              a.q_scale_out[aiter_q_scale_offset(t, hp + h, blk, H)] = 0;
-              a.q_scale_out[aiter_q_scale_offset(t, hp + h, 2 + blk, H)] = 0;
+            for (int hp = H; hp < qs_pad * 16; hp += 16) {
+              q_scale_t[aiter_q_scale_in_token(hp + h, blk, qs_pad)] = 0;
+              q_scale_t[aiter_q_scale_in_token(hp + h, 2 + blk, qs_pad)] = 0;
             }
         }
         if (lane == 0) store_weight(a, t, h, w[i]);
@@ -396,15 +400,23 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
   }
 }
 
-// q blocks: T * chunks, each `chunk_heads` heads of one token; then the k blocks.
+// q blocks, then the k blocks. Whole-token mode (chunks == 0): block b's warp w takes token 8b + w (its 4
+// groups share the token's heads); else block b takes `chunk_heads` heads of token b / chunks, one group
+// per head (latency: a small call's heads spread over SMs).
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4) indexer_kernel(IndexerArgs a, int64_t chunks,
-                                                                             int64_t chunk_heads) {
-  const int64_t b = blockIdx.x, nq = a.T * chunks;
+__global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4) indexer_kernel(IndexerArgs a, int64_t nq,
+                                                                             int chunks, int chunk_heads) {
+  const int64_t b = blockIdx.x;
   if (b < nq) {
-    const int64_t t = b / chunks, h_begin = (b % chunks) * chunk_heads;
-    const int64_t h_end = h_begin + chunk_heads < a.H ? h_begin + chunk_heads : a.H;
-    q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, h_end);
+    if (chunks == 0) {
+      const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
+      if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4);
+    } else {
+      const int64_t t = b / chunks;
+      const int h_begin = static_cast<int>(b % chunks) * chunk_heads;
+      const int h_end = h_begin + chunk_heads < a.H ? h_begin + chunk_heads : static_cast<int>(a.H);
+      q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, h_end, threadIdx.x >> 3, kGroups);
+    }
   } else {
     const int64_t t = (b - nq) * kGroups + (threadIdx.x >> 3);
     if (t < a.T) k_row<MODE, IN_DT, CDT, NEOX>(a, t);
@@ -425,18 +437,21 @@ void with_mode(const IndexerArgs& a, F&& f) {   // FP8, or FP4 with its rounding
 int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
   if (a.T == 0) return 0;
   using namespace dsqk;
-  // q work units: 32 heads of a token (one per group). Many units: a block takes a whole token; few:
-  // one unit per block, so that a small call's heads spread over several SMs.
+  // q work units: 32 heads of a token (one per group). Many units: a warp takes a whole token (its
+  // per-token work is shared by H/4 heads per group); few: one unit per block, so that a small call's
+  // heads spread over several SMs.
   const int64_t units = (a.H + kGroups - 1) / kGroups;
   const bool whole = a.T * units >= DSQ_INDEXER_WHOLE_TOKEN_UNITS;
-  const int64_t chunks = whole ? (units > 0 ? 1 : 0) : units, chunk_heads = whole ? units * kGroups : kGroups;
-  const int64_t blocks = a.T * chunks + (a.T + kGroups - 1) / kGroups;
+  const int64_t tokens_per_block = kGroups / 4;
+  const int64_t nq = whole ? (a.T + tokens_per_block - 1) / tokens_per_block : a.T * units;
+  const int chunks = whole ? 0 : static_cast<int>(units);
+  const int64_t blocks = nq + (a.T + kGroups - 1) / kGroups;
   with_mode(a, [&](auto mode) {
     with_half(a.in_dt, [&](auto in_dt) {
       with_float(a.rope.dtype, [&](auto cdt) {
         with_bool(a.neox, [&](auto neox) {
           indexer_kernel<decltype(mode)::value, decltype(in_dt)::value, decltype(cdt)::value, decltype(neox)::value>
-              <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, chunks, chunk_heads);
+              <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, nq, chunks, kGroups);
         });
       });
     });

@@ -147,6 +147,9 @@ PYBIND11_MODULE(dsq_header_host, m) {
       }
     return out;
   });
+  m.def("ue8m0_recip_exponent_bf16", [](const arr<uint16_t>& b) {
+    return map1<int32_t>(b, [](uint16_t v) { return dsq::ue8m0_recip_exponent_bf16(v); });
+  });
   m.def("pack_nibbles", [](const arr<uint8_t>& c) {
     need(c.ndim() == 2 && c.shape(1) % 2 == 0, "codes [R, even]");
     auto out = shaped<uint8_t>({c.shape(0), c.shape(1) / 2});

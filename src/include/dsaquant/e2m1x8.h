@@ -110,6 +110,17 @@ DSQ_HD uint32_t bf16x2_inv_pow2(int e) {
   return h | (h << 16);
 }
 
+// SPEC §3 rule `recip` for a bf16 amax, on its bits b (>= 0; a NaN counts as 0, the all-NaN block):
+// equal to ue8m0_exponent(bf16_to_f32(b), recip). For amax = m * 2^k (m in [1, 2), 7 fraction bits),
+// f = fl(m * fl(1/6)) * 2^k lies in [1/6, 1/4) * 2^k for m < 1.5 (never a power of two), is exactly
+// 2^(k-2) for m = 1.5 (fl(1.5 * fl(1/6)) = 0.25), and lies in (1/4, 1/3) * 2^k for m > 1.5; so
+// e = E - 2 + (fraction > 0x40) = ((b + 63) >> 7) - 2 with E the biased exponent, at least 1 (the floor
+// 6 * 2^-126 gives e = 1, as do smaller amax); Inf gives 255. tests/test_header_host.py checks all 2^15.
+DSQ_HD int ue8m0_recip_exponent_bf16(uint32_t b) {
+  const int e = static_cast<int>((b + 63u) >> 7) - 2;
+  return b == 0x7F80u ? 255 : (b > 0x7F80u || e < 1 ? 1 : e);
+}
+
 // Words of |x| (sign bits cleared), as the encoder and a bf16x2 amax take them.
 DSQ_HD uint32_t bf16x2_abs(uint32_t x) { return x & 0x7FFF7FFFu; }
 

@@ -52,9 +52,16 @@ DSQ_HD int64_t aiter_fp4_scale_offset(int64_t t, int64_t P, int64_t g) {
 // ---- aiter q scales: q_scale_out u8 [T, 1, 4, 16, qs_pad] -----------------------------------------
 // qs_pad = round_up(H/16, 4); entries with h/16 >= H/16 are padding (written as 0).
 DSQ_HD int64_t aiter_q_scale_pad(int64_t H) { return (H / 16 + 3) / 4 * 4; }
+// Offset of the exponent of head h, group g within its token's 64 * qs_pad bytes: [g/4, g%4, h%16, h/16]
+// (32-bit: a token's part is small; kernels add the token's base once).
+DSQ_HD int32_t aiter_q_scale_in_token(int32_t h, int32_t g, int32_t qs_pad) {
+  return (((g / 4) * 4 + g % 4) * 16 + h % 16) * qs_pad + h / 16;
+}
 // Offset of the exponent of token t, head h, group g: [t, g/4, g%4, h%16, h/16].
 DSQ_HD int64_t aiter_q_scale_offset(int64_t t, int64_t h, int64_t g, int64_t H) {
-  return (((t * kAiterKTiles + g / 4) * 4 + g % 4) * 16 + h % 16) * aiter_q_scale_pad(H) + h / 16;
+  static_assert(kAiterKTiles == 1, "a 128 row has one k tile");
+  const int64_t pad = aiter_q_scale_pad(H);
+  return t * 64 * pad + aiter_q_scale_in_token(static_cast<int32_t>(h), static_cast<int32_t>(g), static_cast<int32_t>(pad));
 }
 
 }  // namespace dsq
