@@ -25,7 +25,7 @@ namespace {
 // Tuning (measured on the H200: benchmarks/results/h200-2026-11-29-s3/NOTES.md); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows a group loads before processing them (1: more blocks fit)
-#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 1
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2
 #endif
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
 #define DSQ_INDEXER_HEADS_IN_FLIGHT_FP4 1
@@ -45,13 +45,17 @@ constexpr int kGroups = 256 / kGroupLanes;     // rows per block
 __device__ __forceinline__ unsigned group_mask8() { return 0xFFu << (threadIdx.x & 24); }
 __device__ __forceinline__ float shfl8(unsigned mask, float v, int s) { return __shfl_xor_sync(mask, v, s, kGroupLanes); }
 
-// Eight consecutive 16-bit values at p (one 16-byte load when `vec`: p is then 16-byte aligned).
-__device__ __forceinline__ uint4 load8(const uint16_t* p, bool vec) {
-  if (vec) return *reinterpret_cast<const uint4*>(p);
+// Eight consecutive 16-bit values at p, one at a time (rows that are not 16-byte aligned). Not inlined:
+// inlined, its loads were predicated into the vector path and issued (switched off) for every row.
+__device__ __noinline__ uint4 load8_scalar(const uint16_t* p) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = p[2 * i] | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// Eight consecutive 16-bit values at p (one 16-byte load when `vec`: p is then 16-byte aligned).
+__device__ __forceinline__ uint4 load8(const uint16_t* p, bool vec) {
+  return vec ? *reinterpret_cast<const uint4*>(p) : load8_scalar(p);
 }
 
 // A row's raw 16-bit values for this lane: a = x[8l..8l+7], b = x[64+8l..64+8l+7].
@@ -264,7 +268,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       const int h = h0 + ngroups * i;
       if (h < h_end) {
         raw[i] = load_raw(q_t + h * a.q_sh, lane, a.q_vec);
-        w[i] = lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
+        if (MODE == 0) w[i] = lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
       }
     }
     if (!a.compute_all && slot < 0) return;                    // q rows of a skipped token: not written
@@ -312,10 +316,14 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
               q_scale_t[aiter_q_scale_in_token(hp + h, 2 + blk, qs_pad)] = 0;
             }
         }
-        if (lane == 0) store_weight(a, t, h, w[i]);
       }
     }
   }
+  // FP4: weights_out = the weights, unchanged (SPEC §7.1), copied by the whole team, a head per thread
+  // (after the heads: nothing of it is live during them).
+  if (MODE != 0 && (a.compute_all || slot >= 0))
+    for (int h = h_begin + g * kGroupLanes + lane; h < h_end; h += ngroups * kGroupLanes)
+      store_weight(a, t, h, load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt));
 }
 
 // ---- k blocks: one k row per group ----------------------------------------------------------------
