@@ -5,7 +5,8 @@ the ops launch (each constexpr setting below), through the same specialisation p
 
 The compiled code is also checked for the SPEC §0.1 / §8 hazards: no fp32 FMA, no flush-to-zero and no
 approximate division, square root, reciprocal, exp2 or log2 in the PTX; no fast-math or `contract` flags
-on the LLVM IR's float operations (either target).
+on the LLVM IR's float operations (either target). The packed bf16x2 FP4 encoder (inline PTX) must be in
+the NVIDIA builds of the variants that take it (so ptxas accepts it for sm_90 and sm_100) and nowhere else.
 
 Needs the kernels as JIT functions: skipped (with the reason) in a process running TRITON_INTERPRET=1.
 """
@@ -98,6 +99,7 @@ VARIANTS = {
         _indexer("fp8", flavour="e4m3fnuz", scale_fmt=None, preshuffle=True, neox=False, all_q=True,
                  dtype=torch.float16, cs_dtype=torch.float32)),
     "indexer-fp4-hardware-neox": lambda: ("indexer_qk_rope_quant_and_cache", _indexer("fp4", "hardware")),
+    "indexer-fp4-hardware-neox-unpacked": lambda: ("indexer_qk_rope_quant_and_cache", _indexer("fp4", "hardware")),
     "indexer-fp4-rne-il-fp16": lambda: ("indexer_qk_rope_quant_and_cache",
                                         _indexer("fp4", "rne", neox=False, dtype=torch.float16,
                                                  w_dtype=torch.float32, wo_dtype=torch.float16)),
@@ -205,8 +207,35 @@ def _has_target(kind: str) -> str:
 
 def target_modes(target):
     """The code paths a launch on that GPU takes (quant.launch_modes on a real device): NATIVE everywhere,
-    HW_FP8 on NVIDIA sm_89+ (for e4m3fn launches; quant.launch_modes drops it for other flavours)."""
-    return dict(NATIVE=True, HW_FP8=target.backend == "cuda" and int(target.arch) >= 89)
+    HW_FP8 on NVIDIA sm_89+ (for e4m3fn launches; quant.launch_modes drops it for other flavours), PACKED_FP4
+    (the bf16x2 PTX FP4 encoder) on NVIDIA sm_80+ (each prepare_* keeps it for bf16 values only)."""
+    cuda = target.backend == "cuda"
+    return dict(NATIVE=True, HW_FP8=cuda and int(target.arch) >= 89, PACKED_FP4=cuda and int(target.arch) >= 80)
+
+
+# Variants whose launch takes the packed bf16x2 FP4 encoder on NVIDIA (formats.e2m1_code_bf16x2): the FP4
+# indexer on bf16 q/k, and the §7.2 key writer and query packer (bf16 stage-2 values for every input dtype).
+# Not: the fp16 FP4 indexer, the FP8 indexer, rope_fake_quant_fp4 (no codes) and the §7.3 writer (fp32 values).
+PACKED_FP4_VARIANTS = {"indexer-fp4-hardware-neox", "indexer-fp4-threshold", "k_store-rne-r1",
+                       "k_store-threshold-r4-fp16", "k_store-hardware-r2", "q_pack-rne", "q_pack-threshold-fp16",
+                       "q_pack-hardware"}
+PACKED_FP4_PTX = ("fma.rn.bf16x2", "min.bf16x2", "max.bf16x2")
+
+
+def check_packed_fp4(variant, target, consts, compiled, kind):
+    """The packed FP4 encoder is compiled exactly where expected: its PTX (and so ptxas's verdict on it) in
+    the NVIDIA builds of PACKED_FP4_VARIANTS, nowhere else (never for gfx, never in the -soft fallback)."""
+    want = kind == "cuda" and variant in PACKED_FP4_VARIANTS
+    assert bool(consts.get("PACKED_FP4", False)) == want, f"{variant} on {target}: {consts.get('PACKED_FP4')=}"
+    if kind == "cuda":
+        ptx = "\n".join(line.split("//")[0] for line in compiled.asm["ptx"].splitlines())
+        for insn in PACKED_FP4_PTX:
+            assert (insn in ptx) == want, f"{variant} on {target}: {insn} {'missing' if want else 'present'}"
+        if want:
+            # five per asm instance, at least one instance per 32-value tile (four tiles per row)
+            assert ptx.count("fma.rn.bf16x2") >= 5 * 4, f"{variant} on {target}: too few packed FMAs"
+    else:
+        assert "bf16x2" not in compiled.asm.get("amdgcn", ""), f"{variant} on {target}"
 
 
 def compile_variant(kernel, args, consts, num_warps, target):
@@ -263,7 +292,9 @@ def test_writer_compiles(variant, target):
     tgt = GPUTarget(*TARGETS[target])
     modes = target_modes(tgt)
     if variant.endswith("-soft"):          # the DSAQUANT_TRITON_NATIVE=0 fallback must compile too
-        modes = dict(NATIVE=False, HW_FP8=False)
+        modes = dict(NATIVE=False, HW_FP8=False, PACKED_FP4=False)
+    if variant.endswith("-unpacked"):      # DSAQUANT_TRITON_PACKED_FP4=0: the fp32 integer FP4 encoder
+        modes = dict(modes, PACKED_FP4=False)
     kernel, grid, kargs, consts, warps = quant.PREPARE[op](*args, modes=modes)
     assert math.prod(grid) >= 1
     compiled = compile_variant(kernel, kargs, consts, warps, tgt)
@@ -271,6 +302,7 @@ def test_writer_compiles(variant, target):
     assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
     problems = check_code(compiled, kind)
     assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
+    check_packed_fp4(variant, target, consts, compiled, kind)
     # spills would hurt the bandwidth target: report them (not a failure)
     n_spills = getattr(compiled, "n_spills", None)
     if n_spills:
@@ -304,6 +336,7 @@ def test_v4_kernel_compiles(variant, target):
     assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
     problems = check_code(compiled, kind)
     assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
+    check_packed_fp4(variant, target, consts, compiled, kind)
 
 
 def test_every_v4_op_has_an_aot_variant():

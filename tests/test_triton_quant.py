@@ -159,7 +159,7 @@ def _v4_k_cases():
 
 FMT_CASES = {f"fmt-{n}": dict(op="fmt", name=n) for n in
              ("fp8_encode", "e2m1_encode", "round_to", "ue8m0", "canonical_sum", "hadamard", "fake_quant",
-              "fp4_quantize", "sqrt")}
+              "fp4_quantize", "fp4_packed", "sqrt")}
 
 
 def all_cases():
@@ -685,6 +685,71 @@ def _fmt_fp4_quantize(tally):
             tally.eq(f"fp4 exps {rule} {policy}", re_.reshape(-1), e)
 
 
+def _fmt_fp4_packed(tally):
+    """The packed bf16x2 FP4 path of fp4_quant_tile (PACKED=True), whose inline PTX the interpreter cannot
+    run: the Triton steps (exponents by rule, bf16_inv_pow2_bits) run here, the PTX on the PTX emulator of
+    tests/test_triton_fp4_packed.py, and the packed bytes must equal fp4_quantize's, on bf16 values: every
+    bf16 bit pattern and wide-range rows with NaN/±Inf blocks, with the exponents of both rules and arbitrary
+    ones (1..255, RULE 2 below)."""
+    import numpy as np
+    import torch
+    from dsaquant.reference.arith import bits, canon_nan, pow2
+    from dsaquant.reference.fp4 import e2m1_encode, fp4_quantize, pack_nibbles
+    from test_triton_fp4_packed import packed_codes
+
+    @triton.jit
+    def k(x_ptr, ei_ptr, e_ptr, s_ptr, RULE: tl.constexpr, R: tl.constexpr):
+        r = tl.program_id(0) * R + tl.arange(0, R)
+        x = tl.load(x_ptr + (r * 32)[:, None] + tl.arange(0, 32)[None, :])
+        if RULE == 0:
+            e = F.ue8m0_recip(F.amax_tile(x, False))
+        elif RULE == 1:
+            e = F.ue8m0_pack(F.amax_tile(x, False))
+        else:
+            e = tl.load(ei_ptr + r)
+        tl.store(e_ptr + r, e)
+        tl.store(s_ptr + r, F.bf16_inv_pow2_bits(e))
+
+    allbf = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32).reshape(-1, 32)
+    wide = _rows(512, 11).to(torch.bfloat16).to(torch.float32).reshape(-1, 32)
+    wide[5::97] = float("nan")                         # whole NaN blocks (e = 255 under recip)
+    wide[6::97, ::5] = float("inf")
+    wide[7::97, 1::5] = float("-inf")
+    x = torch.cat([allbf, wide])
+    n = x.shape[0]
+    g = torch.Generator().manual_seed(12)
+    e_any = torch.randint(1, 256, (n,), generator=g, dtype=torch.int32)
+    e_any[:8] = torch.tensor([1, 2, 126, 127, 128, 253, 254, 255], dtype=torch.int32)
+    e_any[::97] = 255
+    xb = (bits(x).numpy().view(np.uint32) >> 16).reshape(-1, 2)
+    xw = xb[:, 0] | (xb[:, 1] << 16)                  # element 2i low, 2i + 1 high (one row's neighbours)
+    # every bf16 scale the kernels can pass: 2^(127-e) for e in 1..254 (a bf16 value), +Inf for e = 255
+    e_all = torch.arange(1, 256, dtype=torch.int32)
+    inv = torch.exp2((127 - e_all).to(torch.float64)).to(torch.float32)       # exact (2^-127: a subnormal)
+    want_s = torch.where(e_all == 255, 0x7F80, bits(inv) >> 16).to(torch.int16)
+    for rid, rule in enumerate(("recip", "pack", "any")):
+        e_out = torch.empty(n, dtype=torch.int32)
+        s_out = torch.empty(n, dtype=torch.int16)
+        k[(n // 64,)](x, e_any, e_out, s_out, RULE=rid, R=64)
+        sw = np.repeat(s_out.numpy().view(np.uint16).astype(np.uint32), 16) * np.uint32(0x10001)
+        for policy in POLICIES:
+            c_lo, c_hi = packed_codes(policy, xw, sw)
+            codes = torch.from_numpy(np.stack([c_lo, c_hi], axis=1).reshape(x.shape).astype(np.uint8))
+            if rule == "any":
+                xc = canon_nan(x)
+                want = e2m1_encode(xc / pow2(e_out).unsqueeze(-1), policy)
+                fill = ((bits(xc) < 0).to(torch.uint8) << 3) | 7 if policy == "hardware" else torch.full_like(want, 7)
+                want = pack_nibbles(torch.where((e_out == 255).unsqueeze(-1), fill, want))
+            else:
+                want, want_e = fp4_quantize(x, policy, rule, 32)
+                tally.eq(f"packed fp4 exps {rule}", want_e, e_out.to(torch.uint8))
+            tally.eq(f"packed fp4 payload {rule} {policy}", want, pack_nibbles(codes))
+    e_out = torch.empty(256, dtype=torch.int32)
+    s_out = torch.empty(256, dtype=torch.int16)
+    k[(4,)](x, torch.cat([e_all, e_all[-1:]]), e_out, s_out, RULE=2, R=64)
+    tally.eq("bf16_inv_pow2_bits", want_s, s_out[:255])
+
+
 def _fmt_sqrt(tally):
     import numpy as np
     import torch
@@ -711,7 +776,7 @@ def _fmt_sqrt(tally):
 
 _FMT = {"sqrt": _fmt_sqrt, "fp8_encode": _fmt_fp8_encode, "e2m1_encode": _fmt_e2m1_encode, "round_to": _fmt_round_to,
         "ue8m0": _fmt_ue8m0, "canonical_sum": _fmt_canonical_sum, "hadamard": _fmt_hadamard,
-        "fake_quant": _fmt_fake_quant, "fp4_quantize": _fmt_fp4_quantize}
+        "fake_quant": _fmt_fake_quant, "fp4_quantize": _fmt_fp4_quantize, "fp4_packed": _fmt_fp4_packed}
 
 
 if __name__ == "__main__":

@@ -24,8 +24,12 @@ namespace {
 
 // Tuning (measured on the H200: benchmarks/results/h200-2026-11-29-s3/NOTES.md); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
-#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows a group loads before processing them (1: more blocks fit)
-#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2
+#ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows a group loads before processing them
+#if defined(__HIP__)
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 1   // AMD: 2 spills SGPRs on gfx942 (not measured on AMD silicon)
+#else
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2   // H200: 54.8 us against 61.3 with 1 (session 4, run 5)
+#endif
 #endif
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
 #define DSQ_INDEXER_HEADS_IN_FLIGHT_FP4 1
@@ -45,9 +49,15 @@ constexpr int kGroups = 256 / kGroupLanes;     // rows per block
 __device__ __forceinline__ unsigned group_mask8() { return 0xFFu << (threadIdx.x & 24); }
 __device__ __forceinline__ float shfl8(unsigned mask, float v, int s) { return __shfl_xor_sync(mask, v, s, kGroupLanes); }
 
-// Eight consecutive 16-bit values at p, one at a time (rows that are not 16-byte aligned). Not inlined:
-// inlined, its loads were predicated into the vector path and issued (switched off) for every row.
-__device__ __noinline__ uint4 load8_scalar(const uint16_t* p) {
+// Eight consecutive 16-bit values at p, one at a time (rows that are not 16-byte aligned). Not inlined on
+// NVIDIA: inlined, its loads were predicated into the vector path and issued (switched off) for every row.
+// Inlined on AMD, where a call costs SGPR spills (tests/test_hip_build.py allows neither calls nor spills).
+#if defined(__HIP__)
+#define DSQ_OUT_OF_LINE __forceinline__
+#else
+#define DSQ_OUT_OF_LINE __noinline__
+#endif
+__device__ DSQ_OUT_OF_LINE uint4 load8_scalar(const uint16_t* p) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = p[2 * i] | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
@@ -198,14 +208,14 @@ __device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&x
 }
 
 // Eight consecutive bf16 values (x0|x1, x2|x3, x4|x5, x6|x7) -> the encoder's pairs (xj | x(j+4)).
-__device__ __forceinline__ void pair_j_j4(const uint4& w, uint32_t (&x)[4]) {
+[[maybe_unused]] __device__ __forceinline__ void pair_j_j4(const uint4& w, uint32_t (&x)[4]) {
   x[0] = byte_perm(w.x, w.z, 0x5410u);
   x[1] = byte_perm(w.x, w.z, 0x7632u);
   x[2] = byte_perm(w.y, w.w, 0x5410u);
   x[3] = byte_perm(w.y, w.w, 0x7632u);
 }
 // Values v[i0 + j] and v[i0 + j + 4] rounded to bf16 (SPEC §7.1) as the encoder's pairs.
-__device__ __forceinline__ void round_j_j4(const float (&v)[16], int i0, uint32_t (&x)[4]) {
+[[maybe_unused]] __device__ __forceinline__ void round_j_j4(const float (&v)[16], int i0, uint32_t (&x)[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) x[j] = round_pair_any_nan(v[i0 + j], v[i0 + j + 4], true);
 }
@@ -415,16 +425,21 @@ template <int MODE, int IN_DT, int CDT, bool NEOX>
 __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4) indexer_kernel(IndexerArgs a, int64_t nq,
                                                                              int chunks, int chunk_heads) {
   const int64_t b = blockIdx.x;
-  if (b < nq) {
+  if (b < nq) {   // one call site: q_heads is inlined once
+    int64_t t;
+    int h_begin = 0, h_end = static_cast<int>(a.H), g, ngroups;
     if (chunks == 0) {
-      const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
-      if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4);
+      t = b * (kGroups / 4) + (threadIdx.x >> 5);
+      g = (threadIdx.x >> 3) & 3;
+      ngroups = 4;
     } else {
-      const int64_t t = b / chunks;
-      const int h_begin = static_cast<int>(b % chunks) * chunk_heads;
-      const int h_end = h_begin + chunk_heads < a.H ? h_begin + chunk_heads : static_cast<int>(a.H);
-      q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, h_end, threadIdx.x >> 3, kGroups);
+      t = b / chunks;
+      h_begin = static_cast<int>(b % chunks) * chunk_heads;
+      h_end = h_begin + chunk_heads < h_end ? h_begin + chunk_heads : h_end;
+      g = threadIdx.x >> 3;
+      ngroups = kGroups;
     }
+    if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, h_end, g, ngroups);
   } else {
     const int64_t t = (b - nq) * kGroups + (threadIdx.x >> 3);
     if (t < a.T) k_row<MODE, IN_DT, CDT, NEOX>(a, t);

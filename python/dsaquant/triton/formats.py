@@ -17,6 +17,9 @@ bits on a GPU and under TRITON_INTERPRET=1. Rules followed throughout (SPEC §0,
   code, and stores write the canonical NaN of the output dtype. So no platform-dependent bits escape.
 - `NATIVE` (constexpr, set on GPUs) selects the hardware bf16 conversions and the GPU's NaN-ignoring max;
   without it (the interpreter) the same results come from integer bit arithmetic and explicit NaN masks.
+- `PACKED` (constexpr of fp4_encode_tile / fp4_quant_tile, NVIDIA sm_80+ only, for tiles of bf16 values):
+  the E2M1 codes from inline PTX on bf16x2 registers (e2m1_code_bf16x2: explicit fma.rn.bf16x2, each an
+  exact step or the one rounding of the algorithm), the same bytes as the fp32 encoder.
 
 Row data of the 128-wide head dim is carried as four [R, 32] fp32 tiles t0..t3 (dims 32k..32k+31). That
 shape makes the FP4 blocks of 32 whole tiles, the neox head RoPE elementwise between t0 and t1, and the
@@ -407,37 +410,141 @@ def pack_nibbles_tile(codes, R: tl.constexpr):
     return (lo | (hi << 4)).to(tl.uint8)
 
 
+# ---------------------------------------------------------------------------------------------------
+# E2M1 with packed bf16x2 PTX (NVIDIA sm_80+): the codes of two bf16 values per instruction
+# ---------------------------------------------------------------------------------------------------
+# The algorithm of src/include/dsaquant/e2m1x8.h (e2m1_encode8_bf16), per 32-bit register of two bf16
+# values (value 0 in bits 0..15, value 1 in bits 16..31; every step works on both halves, none carries from
+# one half into the other), x the value and s = 2^(127-e) its block's scale:
+#   |v| = fl(|x| * s)                       exact wherever the index depends on it (s a power of two; a
+#                                           |v| below bf16's subnormal quantum 2^-133 has index 0 anyway)
+#   c   = min(|v|, 6)                       min.bf16x2 ignores a NaN operand: NaN -> 6 (index 7)
+#   mx  = max(c, 1) & 0x7F80 = 2^E'         E' = max(floor(log2 c), 0)
+#   M   = mx * 64 = 2^(E'+6)                bf16's ulp at M is E2M1's quantum at c (0.5, 1, 2)
+#   r   = fl(c*K + M)                       one rounding onto the quantum: K = 1 ties to even (rne,
+#                                           hardware), K = 1 - 2^-8 ties down (threshold)
+#   g   = fl(r * 2^-126 + mx * -2^-120)     (r - M) * 2^-126, exact: bits 6..8 of each half are the index m
+# e = 255 gets s = +Inf: |x| * Inf is Inf, or NaN for x = 0 or NaN, so m = 7, the NaN-scale magnitude.
+# The sign (bit 3 of the code) is x's sign bit, 0 for a NaN x (the canonical NaN): |x| + 0x7F carries
+# into bit 15 exactly for a NaN. Hardware keeps it as is (also under e = 255); threshold and rne keep it only
+# where m != 0 (m + 7 has bit 3 set) and e != 255 (s + 0x80 carries into bit 15 exactly for s = +Inf).
+# bf16x2 operands take no immediates: constants go through mov.b32 (ptxas keeps them in registers).
+def e2m1_bf16x2_ptx(policy: int) -> str:
+    """The PTX of e2m1_code_bf16x2 for POLICY `policy` (0 threshold, 1 rne, 2 hardware): $2 = two bf16 values
+    (a bf16x2 register), $3 = their scales (bf16_inv_pow2_bits, int16 x2); $0, $1 = the codes of the low and
+    the high value (32-bit registers)."""
+    k = 0x3F7F3F7F if policy == 0 else 0x3F803F80
+    sign_rt = "" if policy == 2 else """add.u32 dqt, $3, 0x00800080;
+not.b32 dqt, dqt;
+and.b32 dqs, dqs, dqt;
+"""
+    code_rt = "" if policy == 2 else """add.u32 dqt, dqr, 0x00070007;
+and.b32 dqs, dqs, dqt;
+"""
+    return f"""{{
+.reg .b32 dqx, dqa, dqc, dqmx, dqm, dqr, dqnz, dqk, dqs, dqt;
+and.b32 dqx, $2, 0x7FFF7FFF;
+mov.b32 dqnz, 0x80008000;
+fma.rn.bf16x2 dqa, dqx, $3, dqnz;
+mov.b32 dqk, 0x40C040C0;
+min.bf16x2 dqc, dqa, dqk;
+mov.b32 dqk, 0x3F803F80;
+max.bf16x2 dqmx, dqc, dqk;
+and.b32 dqmx, dqmx, 0x7F807F80;
+mov.b32 dqk, 0x42804280;
+fma.rn.bf16x2 dqm, dqmx, dqk, dqnz;
+mov.b32 dqk, 0x{k:08X};
+fma.rn.bf16x2 dqr, dqc, dqk, dqm;
+mov.b32 dqk, 0x83808380;
+fma.rn.bf16x2 dqm, dqmx, dqk, dqnz;
+mov.b32 dqk, 0x00800080;
+fma.rn.bf16x2 dqr, dqr, dqk, dqm;
+shr.b32 dqr, dqr, 6;
+and.b32 dqr, dqr, 0x00070007;
+add.u32 dqt, dqx, 0x007F007F;
+not.b32 dqt, dqt;
+and.b32 dqs, $2, dqt;
+{sign_rt}and.b32 dqs, dqs, 0x80008000;
+shr.b32 dqs, dqs, 12;
+{code_rt}or.b32 dqr, dqr, dqs;
+and.b32 $0, dqr, 0xF;
+shr.b32 $1, dqr, 16;
+}}"""
+
+
+E2M1_BF16X2_PTX_THRESHOLD: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(0))
+E2M1_BF16X2_PTX_RNE: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(1))
+E2M1_BF16X2_PTX_HARDWARE: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(2))
+
+
 @triton.jit
-def fp4_encode_tile(x, e, POLICY: tl.constexpr):
+def bf16_inv_pow2_bits(e):
+    """The bf16 bits (int16) of the block scale 2^(127-e) for biased exponents e (int32): (254-e) << 7 for
+    e in 1..253, the subnormal 0x0040 for e = 254, and +Inf (0x7F80) for e = 255 (see above)."""
+    b = tl.where(e < 254, (254 - e) << 7, 0x0040)
+    b = tl.where(e >= 255, 0x7F80, b)
+    return b.to(tl.int16)
+
+
+@triton.jit
+def e2m1_code_bf16x2(x, s, POLICY: tl.constexpr):
+    """fp4_encode_tile's 4-bit codes (int32) of bf16 values x in blocks with scales s (int16 bits from
+    bf16_inv_pow2_bits, same shape): e2m1_encode of x / 2^(e-127) with x's NaN as the canonical NaN (0x7), and
+    the NaN-scale codes for e = 255. Two values per instruction (inline PTX, pack=2: each asm instance gets two
+    elements of x, in one register, with the same two elements of s, and returns the code of the first in $0
+    and of the second in $1). NVIDIA sm_80+ only (fma/min/max.bf16x2)."""
+    if POLICY == 0:
+        c = tl.inline_asm_elementwise(E2M1_BF16X2_PTX_THRESHOLD, "=r,=r,r,r", [x, s], dtype=tl.int32, is_pure=True,
+                                      pack=2)
+    elif POLICY == 1:
+        c = tl.inline_asm_elementwise(E2M1_BF16X2_PTX_RNE, "=r,=r,r,r", [x, s], dtype=tl.int32, is_pure=True,
+                                      pack=2)
+    else:
+        c = tl.inline_asm_elementwise(E2M1_BF16X2_PTX_HARDWARE, "=r,=r,r,r", [x, s], dtype=tl.int32, is_pure=True,
+                                      pack=2)
+    return c
+
+
+@triton.jit
+def fp4_encode_tile(x, e, POLICY: tl.constexpr, PACKED: tl.constexpr = False):
     """SPEC §3/§2 codes of one block-of-32 tile x [R, 32] with exponents e [R] (int32), int32 codes [R, 32].
     As the reference (fp4_quantize, whose input NaN is canonical): a NaN element gives 0x7 under every
     policy; e = 255 (NaN scale) gives `sign(x)|7` under hardware and 0x7 otherwise.
 
     v = x / 2^(e-127) is x * 2^(127-e), which has the sign of x, so the hardware policy takes the sign bit
     from x (for e = 255 the product is x * 0, or NaN for x = ±Inf, but the sign of x is what is stored).
-    Under rne/threshold, v < 0 is false for e = 255 (v = ±0 or NaN), so those codes need no sign fix."""
+    Under rne/threshold, v < 0 is false for e = 255 (v = ±0 or NaN), so those codes need no sign fix.
+
+    PACKED (NVIDIA sm_80+, and only for x whose values are all exact bf16 values, NaN bits aside): the same
+    codes from e2m1_code_bf16x2, two values per bf16x2 instruction."""
     ee = e[:, None]
-    v = x * pow2_inv(ee)
-    nan = x != x
-    m = tl.where(nan | (ee == 255), 7, e2m1_index_core(tl.abs(v), POLICY))
-    if POLICY == 2:
-        sign = tl.where(nan, 0, (as_bits(x) >> 28) & 8)
+    if PACKED:
+        s = tl.broadcast_to(bf16_inv_pow2_bits(ee), x.shape)
+        return e2m1_code_bf16x2(x.to(tl.bfloat16), s, POLICY)
     else:
-        sign = ((v < 0) & (m != 0)).to(tl.int32) << 3
-    return m | sign
+        v = x * pow2_inv(ee)
+        nan = x != x
+        m = tl.where(nan | (ee == 255), 7, e2m1_index_core(tl.abs(v), POLICY))
+        if POLICY == 2:
+            sign = tl.where(nan, 0, (as_bits(x) >> 28) & 8)
+        else:
+            sign = ((v < 0) & (m != 0)).to(tl.int32) << 3
+        return m | sign
 
 
 @triton.jit
-def fp4_quant_tile(x, RULE: tl.constexpr, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr):
+def fp4_quant_tile(x, RULE: tl.constexpr, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr,
+                   PACKED: tl.constexpr = False):
     """reference fp4_quantize of one block-of-32 tile: x [R, 32] fp32 -> (packed uint8 [R, 16],
     exponent int32 [R]). RULE 0 = recip, 1 = pack. Any NaN in x (whatever its bits) is treated as the
-    reference's canonical NaN: ignored by amax, code 0x7."""
+    reference's canonical NaN: ignored by amax, code 0x7. PACKED: see fp4_encode_tile (x must hold exact
+    bf16 values; NVIDIA sm_80+)."""
     amax = amax_tile(x, NATIVE)
     if RULE == 0:
         e = ue8m0_recip(amax)
     else:
         e = ue8m0_pack(amax)
-    return pack_nibbles_tile(fp4_encode_tile(x, e, POLICY), R), e
+    return pack_nibbles_tile(fp4_encode_tile(x, e, POLICY, PACKED), R), e
 
 
 # ---------------------------------------------------------------------------------------------------

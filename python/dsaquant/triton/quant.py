@@ -226,10 +226,11 @@ def _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, p0, p1, p2, p3, e0, e1, e2, e3, m
 
 
 @triton.jit
-def _sglang_two_stage(t, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr):
-    """SPEC §7.2 stage 1 (recip fake-quant, bf16) then stage 2 (rule pack) on one block-of-32 tile."""
+def _sglang_two_stage(t, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr, PACKED_FP4: tl.constexpr):
+    """SPEC §7.2 stage 1 (recip fake-quant, bf16) then stage 2 (rule pack) on one block-of-32 tile. The staged
+    values are bf16 values whatever the input dtype, so stage 2 may take the packed bf16x2 encoder."""
     staged = round_bf16(fake_quant_ue8m0_tile(t, NATIVE), NATIVE)
-    return fp4_quant_tile(staged, 1, POLICY, R, NATIVE)
+    return fp4_quant_tile(staged, 1, POLICY, R, NATIVE, PACKED_FP4)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,7 +243,8 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
                     X_KIND: tl.constexpr, W_KIND: tl.constexpr, WO_KIND: tl.constexpr, CS_KIND: tl.constexpr,
                     FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr,
                     FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, NEOX: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr,
+                    PACKED_FP4: tl.constexpr):
     """q rows ((token, head) pairs) of program `pid` (SPEC §7.1)."""
     R: tl.constexpr = BLOCK_Q
     r = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -260,10 +262,11 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
     w_off = t * sw_t + h * sw_h
     wo_off = t * swo_t + h * swo_h
     if FP4:
-        q0, e0 = fp4_quant_tile(t0, 0, POLICY, R, NATIVE)
-        q1, e1 = fp4_quant_tile(t1, 0, POLICY, R, NATIVE)
-        q2, e2 = fp4_quant_tile(t2, 0, POLICY, R, NATIVE)
-        q3, e3 = fp4_quant_tile(t3, 0, POLICY, R, NATIVE)
+        # PACKED_FP4 (bf16 q only): t0..t3 hold bf16 values (t0, t1 rounded above, t2, t3 loaded)
+        q0, e0 = fp4_quant_tile(t0, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q1, e1 = fp4_quant_tile(t1, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q2, e2 = fp4_quant_tile(t2, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q3, e3 = fp4_quant_tile(t3, 0, POLICY, R, NATIVE, PACKED_FP4)
         _store_bytes16(qo_ptr, r * 64, q0, act)
         _store_bytes16(qo_ptr, r * 64 + 16, q1, act)
         _store_bytes16(qo_ptr, r * 64 + 32, q2, act)
@@ -304,7 +307,8 @@ def _indexer_k_rows(pid, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr
                     X_KIND: tl.constexpr, CS_KIND: tl.constexpr, NW_KIND: tl.constexpr, NB_KIND: tl.constexpr,
                     FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr,
                     FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FNUZ: tl.constexpr,
-                    NEOX: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
+                    NEOX: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr,
+                    PACKED_FP4: tl.constexpr):
     """k rows (tokens) of k-program `pid` (SPEC §7.1)."""
     R: tl.constexpr = BLOCK_K
     t = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -334,10 +338,11 @@ def _indexer_k_rows(pid, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr
     n = slot // P
     o = slot % P
     if FP4:
-        q0, e0 = fp4_quant_tile(y0, 0, POLICY, R, NATIVE)
-        q1, e1 = fp4_quant_tile(y1, 0, POLICY, R, NATIVE)
-        q2, e2 = fp4_quant_tile(y2, 0, POLICY, R, NATIVE)
-        q3, e3 = fp4_quant_tile(y3, 0, POLICY, R, NATIVE)
+        # PACKED_FP4 (bf16 k only): y0..y3 are rounded to bf16 above
+        q0, e0 = fp4_quant_tile(y0, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q1, e1 = fp4_quant_tile(y1, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q2, e2 = fp4_quant_tile(y2, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q3, e3 = fp4_quant_tile(y3, 0, POLICY, R, NATIVE, PACKED_FP4)
         _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, q0, q1, q2, q3, e0, e1, e2, e3, act)
     else:
         c0, c1, c2, c3, s = _fp8_row(y0, y1, y2, y3, False, ue8m0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
@@ -360,19 +365,20 @@ def _indexer_kernel(
         NW_KIND: tl.constexpr, NB_KIND: tl.constexpr,
         FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
         INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, NEOX: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr):
+        BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr,
+        PACKED_FP4: tl.constexpr):
     """One launch: programs [0, n_q_prog) quantize q rows, the rest LayerNorm/quantize/store k rows."""
     pid = tl.program_id(0)
     if pid < n_q_prog:
         _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h, qo_ptr, qs_ptr, slot_ptr,
                         s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, H, qs_pad,
                         ue8m0, all_q, X_KIND, W_KIND, WO_KIND, CS_KIND, FP4, POLICY, BIAS, FMAX, INV_FMAX, FNUZ,
-                        NEOX, BLOCK_Q, HW_FP8, NATIVE)
+                        NEOX, BLOCK_Q, HW_FP8, NATIVE, PACKED_FP4)
     else:
         _indexer_k_rows(pid - n_q_prog, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr, s_pos, nw_ptr, s_nw,
                         nb_ptr, s_nb, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, eps, T, capacity, P, err_ptr,
                         ue8m0, presh, X_KIND, CS_KIND, NW_KIND, NB_KIND, FP4, POLICY, BIAS, FMAX, INV_FMAX, FNUZ,
-                        NEOX, BLOCK_K, HW_FP8, NATIVE)
+                        NEOX, BLOCK_K, HW_FP8, NATIVE, PACKED_FP4)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -382,7 +388,7 @@ def _indexer_kernel(
 def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s_f, max_pos, slot_ptr, s_slot,
                         cache_ptr, T, capacity, P, err_ptr, ratio,
                         X_KIND: tl.constexpr, NW_KIND: tl.constexpr, POLICY: tl.constexpr,
-                        BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+                        BLOCK: tl.constexpr, NATIVE: tl.constexpr, PACKED_FP4: tl.constexpr):
     R: tl.constexpr = BLOCK
     t = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     in_range = t < T
@@ -401,10 +407,10 @@ def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s
     y2, y3 = _rope_tail_freqs(y2, y3, f_ptr, s_f, p, act, R)
     y2 = round_to(y2, X_KIND, NATIVE)
     y3 = round_to(y3, X_KIND, NATIVE)
-    q0, e0 = _sglang_two_stage(y0, POLICY, R, NATIVE)
-    q1, e1 = _sglang_two_stage(y1, POLICY, R, NATIVE)
-    q2, e2 = _sglang_two_stage(y2, POLICY, R, NATIVE)
-    q3, e3 = _sglang_two_stage(y3, POLICY, R, NATIVE)
+    q0, e0 = _sglang_two_stage(y0, POLICY, R, NATIVE, PACKED_FP4)
+    q1, e1 = _sglang_two_stage(y1, POLICY, R, NATIVE, PACKED_FP4)
+    q2, e2 = _sglang_two_stage(y2, POLICY, R, NATIVE, PACKED_FP4)
+    q3, e3 = _sglang_two_stage(y3, POLICY, R, NATIVE, PACKED_FP4)
     # packed68 (SPEC §6): payload at n*P*68 + 64*o, exponents at n*P*68 + 64*P + 4*o
     n = slot // P
     o = slot % P
@@ -427,7 +433,7 @@ def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s
 def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w_ptr, sw_t, sw_h, wscale,
                        pay_ptr, exp_ptr, wo_ptr, T, H, err_ptr,
                        X_KIND: tl.constexpr, W_KIND: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
-                       NATIVE: tl.constexpr):
+                       NATIVE: tl.constexpr, PACKED_FP4: tl.constexpr):
     R: tl.constexpr = BLOCK
     r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     act = r < T * H
@@ -439,10 +445,10 @@ def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w
     x2, x3 = _rope_tail_freqs(x2, x3, f_ptr, s_f, p, act, R)
     x2 = round_to(x2, X_KIND, NATIVE)
     x3 = round_to(x3, X_KIND, NATIVE)
-    q0, e0 = _sglang_two_stage(x0, POLICY, R, NATIVE)
-    q1, e1 = _sglang_two_stage(x1, POLICY, R, NATIVE)
-    q2, e2 = _sglang_two_stage(x2, POLICY, R, NATIVE)
-    q3, e3 = _sglang_two_stage(x3, POLICY, R, NATIVE)
+    q0, e0 = _sglang_two_stage(x0, POLICY, R, NATIVE, PACKED_FP4)
+    q1, e1 = _sglang_two_stage(x1, POLICY, R, NATIVE, PACKED_FP4)
+    q2, e2 = _sglang_two_stage(x2, POLICY, R, NATIVE, PACKED_FP4)
+    q3, e3 = _sglang_two_stage(x3, POLICY, R, NATIVE, PACKED_FP4)
     _store_bytes16(pay_ptr, r * 64, q0, act)
     _store_bytes16(pay_ptr, r * 64 + 16, q1, act)
     _store_bytes16(pay_ptr, r * 64 + 32, q2, act)
@@ -538,27 +544,39 @@ def _v4_k_kernel(kv_ptr, skv_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, cos_ptr, sin_
 # ---------------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------------
-# Code paths (module switches, read at each launch; environment: DSAQUANT_TRITON_NATIVE=0 / DSAQUANT_TRITON_HW_FP8=0):
+# Code paths (module switches, read at each launch; environment: DSAQUANT_TRITON_NATIVE=0 / DSAQUANT_TRITON_HW_FP8=0
+# / DSAQUANT_TRITON_PACKED_FP4=0):
 # - NATIVE (every GPU): bf16 loaded and rounded with the hardware conversions, amax with the GPU's NaN-ignoring
 #   max. Off under the interpreter (CPU), whose bf16 conversions truncate: integer bit arithmetic there.
 # - HW_FP8 (NVIDIA sm_89+, e4m3fn only): FP8 codes from cvt.rn.satfinite.e4m3x2.f32 instead of the software
 #   encoder (same map: round half even, saturating ±Inf/overflow, NaN 0x7F, signed zero).
-# tests/gpu/test_triton_gpu.py checks both settings of each against the reference on the GPU.
+# - PACKED_FP4 (NVIDIA sm_80+, with NATIVE): the E2M1 codes of bf16 values two at a time with fma/min/max.bf16x2
+#   PTX (formats.e2m1_code_bf16x2, the algorithm of e2m1x8.h) instead of the fp32 encoder (formats.e2m1_index_core
+#   and its sign code). Used where the values quantized are bf16 values: the FP4 indexer with bf16 q/k, and the
+#   §7.2 key writer and query packer (their stage 2 input is bf16 for every input dtype).
+# tests/gpu/test_triton_gpu.py checks both settings of NATIVE and HW_FP8 against the reference on the GPU (its
+# "triton" mode has PACKED_FP4 on where the GPU allows it; run it with DSAQUANT_TRITON_PACKED_FP4=0 for the other).
 NATIVE_ENABLED = os.environ.get("DSAQUANT_TRITON_NATIVE", "1") != "0"
 HW_FP8_ENABLED = os.environ.get("DSAQUANT_TRITON_HW_FP8", "1") != "0"
+PACKED_FP4_ENABLED = os.environ.get("DSAQUANT_TRITON_PACKED_FP4", "1") != "0"
 
 
 def launch_modes(device: torch.device, fp8_flavour=None, modes=None):
-    """{'NATIVE': bool, 'HW_FP8': bool} for launches on `device` (`modes` overrides, e.g. for AOT compiles)."""
+    """{'NATIVE': bool, 'HW_FP8': bool, 'PACKED_FP4': bool} for launches on `device` (`modes` overrides, e.g.
+    for AOT compiles; PACKED_FP4 needs NATIVE). PACKED_FP4 says the target may run the bf16x2 FP4 encoder;
+    each prepare_* decides whether its values are bf16 values."""
     native = device.type != "cpu" and NATIVE_ENABLED
-    hw = False
-    if native and HW_FP8_ENABLED and fp8_flavour == "e4m3fn" and device.type == "cuda" \
-            and not getattr(torch.version, "hip", None):
+    nvidia = device.type == "cuda" and not getattr(torch.version, "hip", None)
+    hw = packed = False
+    if native and HW_FP8_ENABLED and fp8_flavour == "e4m3fn" and nvidia:
         hw = torch.cuda.get_device_capability(device) >= (8, 9)
-    out = dict(NATIVE=native, HW_FP8=hw)
+    if native and PACKED_FP4_ENABLED and nvidia:
+        packed = torch.cuda.get_device_capability(device) >= (8, 0)
+    out = dict(NATIVE=native, HW_FP8=hw, PACKED_FP4=packed)
     if modes:
         out.update(modes)
         out["HW_FP8"] = bool(out["HW_FP8"]) and fp8_flavour == "e4m3fn"
+        out["PACKED_FP4"] = bool(out["PACKED_FP4"]) and bool(out["NATIVE"])
     return out
 
 
@@ -625,7 +643,8 @@ def prepare_indexer(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, n
             int(bool(compute_all_q_rope))]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, WO_KIND=wo_kind, CS_KIND=cs_kind, NW_KIND=nw_kind, NB_KIND=nb_kind,
                   FP4=fp4, POLICY=POLICY_IDS[rounding], BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
-                  FNUZ=(flavour == "e4m3fnuz"), NEOX=bool(is_neox), BLOCK_Q=bq, BLOCK_K=bk, **md)
+                  FNUZ=(flavour == "e4m3fnuz"), NEOX=bool(is_neox), BLOCK_Q=bq, BLOCK_K=bk,
+                  **dict(md, PACKED_FP4=bool(md["PACKED_FP4"]) and fp4 and q.dtype == k.dtype == torch.bfloat16))
     return _indexer_kernel, (n_q + n_k,), args, consts, wq
 
 
@@ -652,7 +671,8 @@ def prepare_k_store(k, norm_weight, eps, positions, freqs, slots, cache, compres
     args = [kv, k.stride(0), nwv, norm_weight.stride(0), as_f32(eps), positions, positions.stride(0), freqs,
             freqs.stride(0), freqs.shape[0], slots, slots.stride(0), as_u8(cache), T, cache.shape[0] * page_size,
             page_size, errors.flag_tensor(k.device), int(compress_ratio)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat)
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat,
+                  PACKED_FP4=md["PACKED_FP4"])
     return _k_store_v41_kernel, (triton.cdiv(T, block),), args, consts, warps
 
 
@@ -675,7 +695,8 @@ def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, pa
     args = [qv, q.stride(0), q.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
             wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, exps_out,
             weights_out, T, H, errors.flag_tensor(q.device)]
-    consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat)
+    consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat,
+                  PACKED_FP4=md["PACKED_FP4"])
     return _q_pack_v41_kernel, (triton.cdiv(T * H, block),), args, consts, warps
 
 

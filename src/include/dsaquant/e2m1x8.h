@@ -69,27 +69,26 @@ DSQ_HD uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
 #endif
 }
 
-// Per half: the smaller / larger value, a NaN operand ignored (two NaNs give a NaN).
-DSQ_HD uint32_t bf16x2_min_nn(uint32_t a, uint32_t b) {
+// Per half: the smaller (kMax false) / larger value, a NaN operand ignored (two NaNs give a NaN).
+template <bool kMax>
+DSQ_HD uint32_t bf16x2_minmax_nn(uint32_t a, uint32_t b) {
 #if defined(DSQ_BF16X2_NATIVE)
   uint32_t d;
-  asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if (kMax)
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 #else
-  const auto one = [](uint32_t x, uint32_t y) { return f2u(fmin_nn(bf16_to_f32(x & 0xFFFFu), bf16_to_f32(y & 0xFFFFu))) >> 16; };
+  const auto one = [](uint32_t x, uint32_t y) {
+    const float fx = bf16_to_f32(x & 0xFFFFu), fy = bf16_to_f32(y & 0xFFFFu);
+    return f2u(kMax ? fmax_nn(fx, fy) : fmin_nn(fx, fy)) >> 16;
+  };
   return one(a, b) | (one(a >> 16, b >> 16) << 16);
 #endif
 }
-DSQ_HD uint32_t bf16x2_max_nn(uint32_t a, uint32_t b) {
-#if defined(DSQ_BF16X2_NATIVE)
-  uint32_t d;
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-#else
-  const auto one = [](uint32_t x, uint32_t y) { return f2u(fmax_nn(bf16_to_f32(x & 0xFFFFu), bf16_to_f32(y & 0xFFFFu))) >> 16; };
-  return one(a, b) | (one(a >> 16, b >> 16) << 16);
-#endif
-}
+DSQ_HD uint32_t bf16x2_min_nn(uint32_t a, uint32_t b) { return bf16x2_minmax_nn<false>(a, b); }
+DSQ_HD uint32_t bf16x2_max_nn(uint32_t a, uint32_t b) { return bf16x2_minmax_nn<true>(a, b); }
 
 // Byte permute (CUDA __byte_perm): byte i of the result is byte sel_i of the pair (b:a), sel_i the
 // i-th nibble of s (0..7).
