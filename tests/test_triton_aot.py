@@ -222,6 +222,20 @@ PACKED_FP4_VARIANTS = {"indexer-fp4-hardware-neox", "indexer-fp4-threshold", "k_
 PACKED_FP4_PTX = ("fma.rn.bf16x2", "min.bf16x2", "max.bf16x2")
 
 
+def compile_and_check(prepared, tgt, kind, variant, target):
+    """Compile a prepare_* result (kernel, grid, args, constexprs, warps) for `tgt` and apply the checks every
+    variant gets: a binary, check_code, and check_packed_fp4. Returns the compiled kernel."""
+    kernel, grid, kargs, consts, warps = prepared
+    assert math.prod(grid) >= 1
+    compiled = compile_variant(kernel, kargs, consts, warps, tgt)
+    binary = "cubin" if kind == "cuda" else "hsaco"
+    assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
+    problems = check_code(compiled, kind)
+    assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
+    check_packed_fp4(variant, target, consts, compiled, kind)
+    return compiled
+
+
 def check_packed_fp4(variant, target, consts, compiled, kind):
     """The packed FP4 encoder is compiled exactly where expected: its PTX (and so ptxas's verdict on it) in
     the NVIDIA builds of PACKED_FP4_VARIANTS, nowhere else (never for gfx, never in the -soft fallback)."""
@@ -295,14 +309,7 @@ def test_writer_compiles(variant, target):
         modes = dict(NATIVE=False, HW_FP8=False, PACKED_FP4=False)
     if variant.endswith("-unpacked"):      # DSAQUANT_TRITON_PACKED_FP4=0: the fp32 integer FP4 encoder
         modes = dict(modes, PACKED_FP4=False)
-    kernel, grid, kargs, consts, warps = quant.PREPARE[op](*args, modes=modes)
-    assert math.prod(grid) >= 1
-    compiled = compile_variant(kernel, kargs, consts, warps, tgt)
-    binary = "cubin" if kind == "cuda" else "hsaco"
-    assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
-    problems = check_code(compiled, kind)
-    assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
-    check_packed_fp4(variant, target, consts, compiled, kind)
+    compiled = compile_and_check(quant.PREPARE[op](*args, modes=modes), tgt, kind, variant, target)
     # spills would hurt the bandwidth target: report them (not a failure)
     n_spills = getattr(compiled, "n_spills", None)
     if n_spills:
@@ -329,14 +336,7 @@ def test_v4_kernel_compiles(variant, target):
             "rope_rotate": rope_rotate.prepare_rope_rotate}[which]
     tgt = GPUTarget(*TARGETS[target])
     modes = dict(NATIVE=False, HW_FP8=False) if variant.endswith("-soft") else target_modes(tgt)
-    kernel, grid, kargs, consts, warps = prep(*make(), modes=modes)
-    assert math.prod(grid) >= 1
-    compiled = compile_variant(kernel, kargs, consts, warps, tgt)
-    binary = "cubin" if kind == "cuda" else "hsaco"
-    assert compiled.asm.get(binary), f"{variant} on {target}: no {binary} produced"
-    problems = check_code(compiled, kind)
-    assert not problems, f"{variant} on {target}:\n" + "\n".join(problems)
-    check_packed_fp4(variant, target, consts, compiled, kind)
+    compile_and_check(prep(*make(), modes=modes), tgt, kind, variant, target)
 
 
 def test_every_v4_op_has_an_aot_variant():
