@@ -55,7 +55,7 @@ if has profile && command -v ncu >/dev/null; then
         --launch-skip 1 --launch-count 1 -f -o "$rep" python3 ci/profile_case.py $w "$b" $T >"$rep.log" 2>&1
       ncu -i "$rep.ncu-rep" --page details --print-details all >"$rep.txt" 2>&1
       ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"${rep}_sass.csv" 2>&1
-      rm -f "$rep.ncu-rep"
+      rm -f "$rep.ncu-rep"; gzip -f "${rep}_sass.csv"
       echo "ncu $b $w T=$T: $(grep -E '^ +(Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|Registers Per Thread) ' "$rep.txt" | awk '{print $1, $2, $(NF)}' | tr '\n' ';')"
     done
   done

@@ -3,7 +3,9 @@ with the copy ceiling of the same run (the bench's own timing: medians of CUDA e
 
   python ci/tune_indexer.py cuda LABEL          # the built module as it is (LABEL names its build flags)
   python ci/tune_indexer.py triton 32x4 64x8    # Triton: rows x warps of the q programs (quant.LAUNCH)
+TUNE_T="1 64 8192" (default) picks the token counts.
 """
+import os
 import sys
 
 import torch
@@ -22,7 +24,7 @@ for v in variants:
         r, w = (int(x) for x in v.split("x"))
         quant.LAUNCH["indexer_q"] = (r, w)
     for mode in ("fp8", "fp4"):
-        for T in (1, 64, 8192):
+        for T in [int(x) for x in os.environ.get("TUNE_T", "1 64 8192").split()]:
             sets = [tt.make_indexer(T=T, H=64, mode=mode, device="cuda", seed=s, extra_pages=0)
                     for s in range(4 if T >= 1024 else 1)]
             a0 = sets[0]

@@ -55,6 +55,15 @@ REVIEWED_RENAMES = {
     "__shfl_sync": "dsq_shfl_sync",
     "__shfl_up_sync": "dsq_shfl_up_sync",
     "__shfl_down_sync": "dsq_shfl_down_sync",
+    "cudaSuccess": "hipSuccess",
+    # kernels/cuda/indexer.cu prefer_shared_memory: inside #if !defined(__HIP__) (the cp.async row ring is
+    # NVIDIA's), so these are translated but never compiled for AMD.
+    "cudaGetDevice": "hipGetDevice",
+    "cudaStreamCaptureStatus": "hipStreamCaptureStatus",
+    "cudaStreamCaptureStatusNone": "hipStreamCaptureStatusNone",
+    "cudaStreamIsCapturing": "hipStreamIsCapturing",
+    "cudaFuncSetAttribute": "hipFuncSetAttribute",
+    "cudaFuncAttributePreferredSharedMemoryCarveout": "hipFuncAttributePreferredSharedMemoryCarveout",
 }
 
 
@@ -236,9 +245,13 @@ def test_no_scratch_spills_or_calls(rows):
     assert all(r["vgpr_spill"] == 0 for r in rows)
     assert all(r["sgpr_spill"] == 0 for r in rows if not r["label"].startswith(bh.SGPR_SPILL_OK))   # (to VGPR lanes)
     # The kernels keep everything in registers and shuffles, except compress_kv (kernels/cuda/v4_body.cuh
-    # CompressSmem: the pooled row passes from the block's pool to warp 0's finish through 2 KB of LDS).
-    assert all(r["lds"] == 0 for r in rows if not r["label"].startswith("compress_kv"))
-    assert all(0 < r["lds"] <= 2048 for r in rows if r["label"].startswith("compress_kv"))
+    # CompressSmem: the pooled row passes from the block's pool to warp 0's finish through 2 KB of LDS) and
+    # the indexer (kernels/cuda/indexer.cu: a k block shares the 256 norm weights and biases through 1 KB;
+    # the q rows' cp.async ring is NVIDIA-only).
+    lds_cap = {"compress_kv": 2048, "indexer": 1024}
+    for r in rows:
+        cap = next((v for k, v in lds_cap.items() if r["label"].startswith(k)), 0)
+        assert (0 < r["lds"] <= cap) if cap else r["lds"] == 0, (r["label"], r["lds"])
 
 
 @needs_toolchain

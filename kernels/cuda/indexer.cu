@@ -12,11 +12,17 @@
 // block b takes token 8b + w: its 4 groups share the token's heads (H/4 each at most), so the per-token
 // work (slot, position, RoPE entries, the division into tokens) is paid once per warp and token. At small
 // T, block b takes 32 heads of token b / ceil(H/32), one head per group, so that a call's heads spread
-// over several SMs (latency). The loads of up to kHeadsInFlight heads are issued before any is processed.
-// The last ceil(T/32) blocks are k blocks, one k row per group. 1-D grid (no 65535 limit).
+// over several SMs (latency). q rows arrive either through registers (kHeadsInFlight heads loaded before
+// any is processed: FP8, AMD, small T) or, for FP4 at large T on NVIDIA, through a per-thread cp.async ring
+// in shared memory (kStages - 1 heads in flight, no registers held: q_heads). The last ceil(T/32) blocks
+// are k blocks, one k row per group; a k block shares the norm weights through shared memory, loaded with
+// the rows (at small T the k row is the call's critical path). 1-D grid (no 65535 limit).
 // Template parameters: MODE 0 = FP8; 1, 2, 3 = FP4 with rounding policy MODE-1 (SPEC §2); IN_DT the
 // q/k dtype; CDT the cos/sin table dtype; NEOX the RoPE style.
+#include <atomic>
+
 #include "indexer.h"
+
 #include "row16.cuh"   // DType codes, scalar loads, rope_load, with_* dispatch
 
 namespace dsqk {
@@ -34,6 +40,20 @@ namespace {
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
 #define DSQ_INDEXER_HEADS_IN_FLIGHT_FP4 1
 #endif
+// Shared-memory row slots per thread for the q rows (CUDA; >= 2 turns the cp.async ring on, 0 loads into
+// registers). HIP has no cp.async: always 0 there.
+#if defined(__HIP__)
+#undef DSQ_INDEXER_STAGES_FP8
+#undef DSQ_INDEXER_STAGES_FP4
+#define DSQ_INDEXER_STAGES_FP8 0
+#define DSQ_INDEXER_STAGES_FP4 0
+#endif
+#ifndef DSQ_INDEXER_STAGES_FP8
+#define DSQ_INDEXER_STAGES_FP8 0   // H200: 66-71 us with 3-6 slots against 60 from registers (session 5, run 1)
+#endif
+#ifndef DSQ_INDEXER_STAGES_FP4
+#define DSQ_INDEXER_STAGES_FP4 4   // H200: 57.4 us against 63.0 from registers (session 5, run 1)
+#endif
 #ifndef DSQ_INDEXER_MIN_BLOCKS_FP8       // resident blocks per SM asked of the register allocator
 #define DSQ_INDEXER_MIN_BLOCKS_FP8 4
 #endif
@@ -45,6 +65,12 @@ namespace {
 #endif
 constexpr int kGroupLanes = 8;                 // lanes per row
 constexpr int kGroups = 256 / kGroupLanes;     // rows per block
+template <int MODE>
+constexpr int kStages = MODE == 0 ? DSQ_INDEXER_STAGES_FP8 : DSQ_INDEXER_STAGES_FP4;
+// The block's shared memory, in 16-byte units: a q block's row ring ([slot][a / b][thread] uint4, then the
+// FP8 weights [slot][group] float), or a k block's norm weights and biases (256 floats).
+template <int MODE>
+constexpr int kSmemVec4 = kStages<MODE> >= 2 ? kStages<MODE> * (2 * 256 + (MODE == 0 ? kGroups / 4 : 0)) : 256 / 4;
 
 __device__ __forceinline__ unsigned group_mask8() { return 0xFFu << (threadIdx.x & 24); }
 __device__ __forceinline__ float shfl8(unsigned mask, float v, int s) { return __shfl_xor_sync(mask, v, s, kGroupLanes); }
@@ -67,6 +93,23 @@ __device__ DSQ_OUT_OF_LINE uint4 load8_scalar(const uint16_t* p) {
 __device__ __forceinline__ uint4 load8(const uint16_t* p, bool vec) {
   return vec ? *reinterpret_cast<const uint4*>(p) : load8_scalar(p);
 }
+
+#if !defined(__HIP__)
+// cp.async (sm_80+): 16 or 4 bytes from global into shared memory without passing through registers.
+// Committed groups complete in order; cp_async_wait<N> returns when at most N are still in flight.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
 
 // A row's raw 16-bit values for this lane: a = x[8l..8l+7], b = x[64+8l..64+8l+7].
 struct Raw {
@@ -251,11 +294,21 @@ __device__ __forceinline__ void store_weight(const IndexerArgs& a, int64_t t, in
 }
 
 // ---- q rows: `ngroups` groups (a warp's 4, or a block's 32) share one token's heads ----------------
-// Group g takes the heads h_begin + g, h_begin + g + ngroups, ... below h_end.
-template <int MODE, int IN_DT, int CDT, bool NEOX>
-__device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_begin, int h_end, int g, int ngroups) {
+// Group g takes the heads h_begin + g, h_begin + g + ngroups, ... below h_end. The loop is the warp's:
+// iteration i is the warp's 4 heads h_begin + (g & ~3) + i * ngroups + 0..3, run while the first is below
+// h_end, so that every lane of the warp shuffles together (full-mask shuffles, no divergence checks); a
+// group whose head is past h_end computes on a valid row (its loads are clamped) and stores nothing.
+// Rows come either straight into registers (kHeadsInFlight heads loaded, then processed), or, with
+// kStages >= 2 (CUDA), through a per-thread ring of kStages row slots in shared memory filled by
+// cp.async: kStages - 1 heads are in flight while one is processed, and they hold no registers.
+// NG > 0: ngroups is the compile-time NG (its loop steps are constants).
+template <int MODE, int IN_DT, int CDT, bool NEOX, int NG>
+__device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_begin, int h_end, int g, int ngroups_rt,
+                                        uint4* smem) {
+  const int ngroups = NG > 0 ? NG : ngroups_rt;
   const int lane = threadIdx.x & 7;
-  const unsigned mask = group_mask8();
+  constexpr unsigned mask = 0xFFFFFFFFu;   // the whole warp runs every iteration (above)
+  const int gw = g & 3, hw0 = h_begin + (g & ~3);   // group in warp; the warp's first head
   // The slot, the position and the first heads' rows are loaded together (none depends on another):
   // at small T this dependent-load chain is most of the call. Rows of a skipped token are read and
   // dropped (in bounds either way).
@@ -267,84 +320,168 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
   uint8_t* q_out_t = a.q_out + t * H * (MODE == 0 ? 128 : 64);
   const int qs_pad = static_cast<int>(aiter_q_scale_pad(H));
   uint8_t* q_scale_t = MODE == 0 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H);
-  constexpr int kHeadsInFlight = MODE == 0 ? DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 : DSQ_INDEXER_HEADS_IN_FLIGHT_FP4;
+  const bool skip = !a.compute_all && slot < 0;   // q rows of a skipped token: not written (warp-uniform)
+  // FP4: weights_out = the weights, unchanged (SPEC §7.1), copied by the whole team, a head per thread; the
+  // first is loaded now (at small T its latency would otherwise come after the heads').
+  const int hw_first = h_begin + g * kGroupLanes + lane;
+  const float w_first = MODE != 0 && hw_first < h_end ? load_f(a.w, t * a.w_st + hw_first * a.w_sh, a.w_dt) : 0.0f;
   float c[8], s[8];
-  bool have_table = false;
-  for (int h0 = h_begin + g; h0 < h_end; h0 += ngroups * kHeadsInFlight) {
-    Raw raw[kHeadsInFlight];
-    float w[kHeadsInFlight];
-#pragma unroll
-    for (int i = 0; i < kHeadsInFlight; ++i) {
-      const int h = h0 + ngroups * i;
-      if (h < h_end) {
-        raw[i] = load_raw(q_t + h * a.q_sh, lane, a.q_vec);
-        if (MODE == 0) w[i] = lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
+  // Head h from its raw row; w: its weight (FP8, lane 0); act: h < h_end (else nothing is stored).
+  auto head = [&](const Raw& raw, int h, float w, bool act) {
+    float v[16];
+    constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
+    unpack<IN_DT>(raw, v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
+    rope_a<NEOX>(mask, lane, v, c, s);
+    if constexpr (!packed) round8<IN_DT>(v, 0);
+    if constexpr (MODE == 0) {
+      uint32_t codes[4];
+      const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
+      if (!act) return;
+      uint2* out = reinterpret_cast<uint2*>(q_out_t + h * 128);
+      out[lane] = make_uint2(codes[0], codes[1]);
+      out[8 + lane] = make_uint2(codes[2], codes[3]);
+      if (lane == 0) store_weight(a, t, h, fmul(fmul(w, sc), a.weights_scale));
+    } else {
+      uint32_t ba, bb;
+      int ea, eb;
+      if constexpr (packed) {
+        uint32_t xa[4], xb[4];
+        round_j_j4(v, 0, xa);
+        pair_j_j4(raw.b, xb);
+        fp4_quant_bf16<static_cast<Rounding>(MODE - 1)>(mask, xa, xb, ba, bb, ea, eb);
+      } else {
+        fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+      }
+      if (!act) return;
+      uint32_t* out = reinterpret_cast<uint32_t*>(q_out_t + h * 64);
+      out[lane] = ba;
+      out[8 + lane] = bb;
+      if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3
+        const int blk = lane >> 2;
+        q_scale_t[aiter_q_scale_in_token(h, blk, qs_pad)] = static_cast<uint8_t>(ea);
+        q_scale_t[aiter_q_scale_in_token(h, 2 + blk, qs_pad)] = static_cast<uint8_t>(eb);
+        if (h < 16)   // pad entries h/16 >= H/16 of this (t, block, h % 16) are written 0
+          for (int hp = H; hp < qs_pad * 16; hp += 16) {
+            q_scale_t[aiter_q_scale_in_token(hp + h, blk, qs_pad)] = 0;
+            q_scale_t[aiter_q_scale_in_token(hp + h, 2 + blk, qs_pad)] = 0;
+          }
       }
     }
-    if (!a.compute_all && slot < 0) return;                    // q rows of a skipped token: not written
-    if (!have_table) {   // after the first q loads are issued: their latency overlaps the table's
-      rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
-      have_table = true;
-    }
-#pragma unroll
-    for (int i = 0; i < kHeadsInFlight; ++i) {
-      const int h = h0 + ngroups * i;
-      if (h >= h_end) break;
-      float v[16];
-      constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
-      unpack<IN_DT>(raw[i], v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
-      rope_a<NEOX>(mask, lane, v, c, s);
-      if constexpr (!packed) round8<IN_DT>(v, 0);
-      if constexpr (MODE == 0) {
-        uint32_t codes[4];
-        const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
-        uint2* out = reinterpret_cast<uint2*>(q_out_t + h * 128);
-        out[lane] = make_uint2(codes[0], codes[1]);
-        out[8 + lane] = make_uint2(codes[2], codes[3]);
-        if (lane == 0) store_weight(a, t, h, fmul(fmul(w[i], sc), a.weights_scale));
-      } else {
-        uint32_t ba, bb;
-        int ea, eb;
-        if constexpr (packed) {
-          uint32_t xa[4], xb[4];
-          round_j_j4(v, 0, xa);
-          pair_j_j4(raw[i].b, xb);
-          fp4_quant_bf16<static_cast<Rounding>(MODE - 1)>(mask, xa, xb, ba, bb, ea, eb);
+  };
+#if !defined(__HIP__)
+  constexpr int kSlots = NG == 4 ? kStages<MODE> : 0;   // the ring pays at many heads per group (large T) only
+  if constexpr (kSlots >= 2) {
+    auto rows = reinterpret_cast<uint4(*)[2][256]>(smem);                        // [slot][a / b values][thread]
+    auto wts = reinterpret_cast<float(*)[kGroups]>(smem + kSlots * 2 * 256);    // FP8: [slot][group] weight
+    const int tid = threadIdx.x, grp = tid >> 3;
+    // The next iteration to stage: the warp's head hn (uniform), this group's row rn and weight index
+    // wn, each advanced by a fixed step; a group past h_end stages the last head's row instead.
+    int hn = hw0;
+    const int hl = (hw0 + gw < h_end ? hw0 + gw : h_end - 1);
+    const uint16_t* rn = q_t + hl * a.q_sh + 8 * lane;
+    int64_t wn = t * a.w_st + hl * a.w_sh;
+    const int64_t rstep = hw0 + gw < h_end ? ngroups * a.q_sh : 0, wstep = hw0 + gw < h_end ? ngroups * a.w_sh : 0;
+    auto stage = [&](int sl) {   // iteration hn's row (and FP8 weight) into slot sl, then on to the next
+      if (hn < h_end) {
+        if (hn + gw >= h_end) {   // this group's head is past the end from here on: the last head's row
+          rn = q_t + (h_end - 1) * a.q_sh + 8 * lane;
+          wn = t * a.w_st + (h_end - 1) * a.w_sh;
+        }
+        if (a.q_vec) {
+          cp_async16(&rows[sl][0][tid], rn);
+          cp_async16(&rows[sl][1][tid], rn + 64);
         } else {
-          fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+          rows[sl][0][tid] = load8_scalar(rn);
+          rows[sl][1][tid] = load8_scalar(rn + 64);
         }
-        uint32_t* out = reinterpret_cast<uint32_t*>(q_out_t + h * 64);
-        out[lane] = ba;
-        out[8 + lane] = bb;
-        if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3
-          const int blk = lane >> 2;
-          q_scale_t[aiter_q_scale_in_token(h, blk, qs_pad)] = static_cast<uint8_t>(ea);
-          q_scale_t[aiter_q_scale_in_token(h, 2 + blk, qs_pad)] = static_cast<uint8_t>(eb);
-          if (h < 16)   // pad entries h/16 >= H/16 of this (t, block, h % 16) are written 0
-            for (int hp = H; hp < qs_pad * 16; hp += 16) {
-              q_scale_t[aiter_q_scale_in_token(hp + h, blk, qs_pad)] = 0;
-              q_scale_t[aiter_q_scale_in_token(hp + h, 2 + blk, qs_pad)] = 0;
-            }
+        if (MODE == 0 && lane == 0) {
+          if (a.w_dt == kF32)
+            cp_async4(&wts[sl][grp], static_cast<const float*>(a.w) + wn);
+          else
+            wts[sl][grp] = load_f(a.w, wn, a.w_dt);
         }
+      }
+      cp_async_commit();   // one group per slot, empty or not: wait_group counts groups
+      hn += ngroups;
+      rn += rstep;
+      wn += wstep;
+    };
+#pragma unroll
+    for (int sl = 0; sl < kSlots - 1; ++sl) stage(sl);
+    if (skip) {
+      cp_async_wait<0>();   // nothing may land in the block's shared memory after it exits
+      return;
+    }
+    rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+    int sl = 0;
+    for (int hw = hw0; hw < h_end; hw += ngroups) {
+      cp_async_wait<kSlots - 2>();   // this iteration's group (the oldest) has landed
+      const Raw raw{rows[sl][0][tid], rows[sl][1][tid]};
+      const float w = MODE == 0 ? wts[sl][grp] : 0.0f;
+      // Refill the slot read in the previous iteration: its values have been used (this thread's own
+      // shared-memory reads are ordered before its later cp.async).
+      stage(sl == 0 ? kSlots - 1 : sl - 1);
+      sl = sl == kSlots - 1 ? 0 : sl + 1;
+      head(raw, hw + gw, w, hw + gw < h_end);
+    }
+  } else
+#endif
+  {
+    constexpr int kHeadsInFlight = MODE == 0 ? DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 : DSQ_INDEXER_HEADS_IN_FLIGHT_FP4;
+    bool have_table = false;
+    for (int hw = hw0; hw < h_end; hw += ngroups * kHeadsInFlight) {
+      Raw raw[kHeadsInFlight];
+      float w[kHeadsInFlight];
+#pragma unroll
+      for (int i = 0; i < kHeadsInFlight; ++i) {
+        int h = hw + ngroups * i + gw;
+        h = h < h_end ? h : h_end - 1;   // past the end: the last head's row (loaded, not stored)
+        if (hw + ngroups * i < h_end) {
+          raw[i] = load_raw(q_t + h * a.q_sh, lane, a.q_vec);
+          w[i] = MODE == 0 && lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
+        }
+      }
+      if (skip) return;
+      if (!have_table) {   // after the first q loads are issued: their latency overlaps the table's
+        rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+        have_table = true;
+      }
+#pragma unroll
+      for (int i = 0; i < kHeadsInFlight; ++i) {
+        const int h = hw + ngroups * i + gw;
+        if (hw + ngroups * i >= h_end) break;   // warp-uniform
+        head(raw[i], h, w[i], h < h_end);
       }
     }
   }
-  // FP4: weights_out = the weights, unchanged (SPEC §7.1), copied by the whole team, a head per thread
-  // (after the heads: nothing of it is live during them).
-  if (MODE != 0 && (a.compute_all || slot >= 0))
-    for (int h = h_begin + g * kGroupLanes + lane; h < h_end; h += ngroups * kGroupLanes)
+  if (MODE != 0 && !skip && hw_first < h_end) {   // FP4: the weights (above), the rest after the heads
+    store_weight(a, t, hw_first, w_first);
+    for (int h = hw_first + ngroups * kGroupLanes; h < h_end; h += ngroups * kGroupLanes)
       store_weight(a, t, h, load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt));
+  }
 }
 
 // ---- k blocks: one k row per group ----------------------------------------------------------------
+// Every thread of the block calls it (a barrier inside); a row t_in >= T loads row T - 1 and writes nothing.
+// norm: the block's shared memory for the norm weights and biases (256 floats).
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
+__device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float* norm) {
+  const bool valid = t_in < a.T;
+  const int64_t t = valid ? t_in : a.T - 1;
   const int lane = threadIdx.x & 7;
   const unsigned mask = group_mask8();
   // The loads that do not depend on another are issued first (small T: the call is this chain).
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
   const Raw raw = load_raw(static_cast<const uint16_t*>(a.k) + t * a.k_st, lane, a.k_vec);
+  // The norm weights and biases (any dtype) as fp32, one per thread, loaded with the rows: the barrier
+  // comes before any group leaves.
+  {
+    const int i = threadIdx.x;
+    norm[i] = i < 128 ? load_f(a.norm_w, i, a.norm_w_dt) : load_f(a.norm_b, i - 128, a.norm_b_dt);
+    __syncthreads();
+  }
+  if (!valid) return;
   // SPEC §7.5: an out-of-range position is clamped and reported (once per token: here).
   if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, 2);
   if (slot < 0) return;
@@ -378,9 +515,13 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
   }
   const float inv = inv_sqrt_eps(fdiv(row_sum(d2), 128.0f), a.eps);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int dim = (i < 8 ? 0 : 64) + 8 * lane + (i & 7);
-    v[i] = layer_norm_apply(v[i], inv, load_f(a.norm_w, dim, a.norm_w_dt), load_f(a.norm_b, dim, a.norm_b_dt));
+  for (int q = 0; q < 4; ++q) {   // values 4q .. 4q+3: dims (q < 2 ? 0 : 64) + 8 lane + 4 (q & 1) + 0..3
+    const int d4 = ((q < 2 ? 0 : 64) + 8 * lane + 4 * (q & 1)) / 4;
+    const float4 w = reinterpret_cast<const float4*>(norm)[d4], b = reinterpret_cast<const float4*>(norm)[32 + d4];
+    v[4 * q] = layer_norm_apply(v[4 * q], inv, w.x, b.x);
+    v[4 * q + 1] = layer_norm_apply(v[4 * q + 1], inv, w.y, b.y);
+    v[4 * q + 2] = layer_norm_apply(v[4 * q + 2], inv, w.z, b.z);
+    v[4 * q + 3] = layer_norm_apply(v[4 * q + 3], inv, w.w, b.w);
   }
   round8<IN_DT>(v, 0);
   round8<IN_DT>(v, 8);
@@ -422,10 +563,20 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t) {
 // groups share the token's heads); else block b takes `chunk_heads` heads of token b / chunks, one group
 // per head (latency: a small call's heads spread over SMs).
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4) indexer_kernel(IndexerArgs a, int64_t nq,
-                                                                             int chunks, int chunk_heads) {
+__global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4)
+    indexer_kernel(IndexerArgs a, int64_t nq, int chunks, int chunk_heads) {
+  __shared__ uint4 smem[kSmemVec4<MODE>];
   const int64_t b = blockIdx.x;
-  if (b < nq) {   // one call site: q_heads is inlined once
+  if (b < nq) {
+#if !defined(__HIP__)
+    // NVIDIA: a call site per mode, each with its team size fixed (H200, session 5: FP8 55 us against
+    // 60 us with one call site). AMD: one call site (two inlined copies spill SGPRs on gfx942).
+    if (chunks == 0) {
+      const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
+      if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX, 4>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4, smem);
+      return;
+    }
+#endif
     int64_t t;
     int h_begin = 0, h_end = static_cast<int>(a.H), g, ngroups;
     if (chunks == 0) {
@@ -439,10 +590,13 @@ __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : 
       g = threadIdx.x >> 3;
       ngroups = kGroups;
     }
-    if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX>(a, t, h_begin, h_end, g, ngroups);
+#if defined(__HIP__)
+    if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX, 0>(a, t, h_begin, h_end, g, ngroups, smem);
+#else
+    if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX, kGroups>(a, t, h_begin, h_end, g, ngroups, smem);
+#endif
   } else {
-    const int64_t t = (b - nq) * kGroups + (threadIdx.x >> 3);
-    if (t < a.T) k_row<MODE, IN_DT, CDT, NEOX>(a, t);
+    k_row<MODE, IN_DT, CDT, NEOX>(a, (b - nq) * kGroups + (threadIdx.x >> 3), reinterpret_cast<float*>(smem));
   }
 }
 
@@ -453,6 +607,23 @@ void with_mode(const IndexerArgs& a, F&& f) {   // FP8, or FP4 with its rounding
   else if (a.rounding == 1) f(IC<2>{});
   else f(IC<3>{});
 }
+
+#if !defined(__HIP__)
+// A kernel with the shared-memory row ring (4 blocks of ~33 KB per SM) asks for the largest shared-memory
+// carveout: once per kernel and device, and never during stream capture (it is not a stream operation).
+template <int MODE, int IN_DT, int CDT, bool NEOX>
+void prefer_shared_memory(cudaStream_t stream) {
+  if (kStages<MODE> < 2) return;
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64 || (done.load(std::memory_order_relaxed) >> dev & 1)) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return;
+  if (cudaFuncSetAttribute(indexer_kernel<MODE, IN_DT, CDT, NEOX>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) == cudaSuccess)
+    done.fetch_or(uint64_t{1} << dev);
+}
+#endif
 
 }  // namespace
 }  // namespace dsqk
@@ -473,8 +644,12 @@ int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
     with_half(a.in_dt, [&](auto in_dt) {
       with_float(a.rope.dtype, [&](auto cdt) {
         with_bool(a.neox, [&](auto neox) {
-          indexer_kernel<decltype(mode)::value, decltype(in_dt)::value, decltype(cdt)::value, decltype(neox)::value>
-              <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, nq, chunks, kGroups);
+          constexpr int M = decltype(mode)::value, D = decltype(in_dt)::value, C = decltype(cdt)::value;
+          constexpr bool N = decltype(neox)::value;
+#if !defined(__HIP__)
+          prefer_shared_memory<M, D, C, N>(stream);
+#endif
+          indexer_kernel<M, D, C, N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, nq, chunks, kGroups);
         });
       });
     });

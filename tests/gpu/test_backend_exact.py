@@ -96,6 +96,24 @@ def test_indexer(backend, case):
              ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"), backend, "indexer", str(case))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,H,mode,aligned", [(2048, 48, "fp4", True), (2048, 18, "fp8", True), (2048, 7, "fp8", True),
+                                              (2100, 48, "fp4", False), (2048, 64, "fp8", False)])
+def test_indexer_whole_token_heads(backend, T, H, mode, aligned):
+    """Large T (a warp per token, the CUDA kernel's cp.async row ring in FP4): FP8 head counts that leave
+    part of a warp's last 4 heads empty (those groups compute on a clamped row and store nothing; FP4 needs
+    H % 16 == 0), and q rows that are not 16-byte aligned (the one-value-at-a-time loader)."""
+    a = tt.make_indexer(T=T, H=H, mode=mode, device=DEV, seed=T + H, rounding="rne")
+    a["q"] = inject_specials(a["q"])
+    if not aligned:   # row starts 2 bytes past a 16-byte boundary
+        wide = torch.empty(T, H, 130, dtype=a["q"].dtype, device=DEV)
+        wide[..., 1:129] = a["q"]
+        a["q"] = wide[..., 1:129]
+    run_pair(dq.indexer_qk_rope_quant_and_cache, a,
+             ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"), backend, "indexer whole-token heads",
+             f"T{T} H{H} {mode} aligned={aligned}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS + [b for b in ("triton",) if dispatch.available(b)[0]])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_indexer_fp4_every_bf16_value(backend, policy):

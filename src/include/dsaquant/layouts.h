@@ -54,8 +54,10 @@ DSQ_HD int64_t aiter_fp4_scale_offset(int64_t t, int64_t P, int64_t g) {
 DSQ_HD int64_t aiter_q_scale_pad(int64_t H) { return (H / 16 + 3) / 4 * 4; }
 // Offset of the exponent of head h, group g within its token's 64 * qs_pad bytes: [g/4, g%4, h%16, h/16]
 // (32-bit: a token's part is small; kernels add the token's base once).
+// h, g >= 0: the arithmetic is unsigned, so that / and % by 16 are a shift and a mask.
 DSQ_HD int32_t aiter_q_scale_in_token(int32_t h, int32_t g, int32_t qs_pad) {
-  return (((g / 4) * 4 + g % 4) * 16 + h % 16) * qs_pad + h / 16;
+  const uint32_t uh = static_cast<uint32_t>(h), ug = static_cast<uint32_t>(g);
+  return static_cast<int32_t>(((ug / 4) * 4 + ug % 4) * 16 + uh % 16) * qs_pad + static_cast<int32_t>(uh / 16);
 }
 // Offset of the exponent of token t, head h, group g: [t, g/4, g%4, h%16, h/16].
 DSQ_HD int64_t aiter_q_scale_offset(int64_t t, int64_t h, int64_t g, int64_t H) {
