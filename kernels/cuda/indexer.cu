@@ -506,14 +506,15 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
     }
     return fadd(p0, p1);
   };
-  const float mean = fdiv(row_sum(v), 128.0f);
+  // x / 128 as x * 2^-7: both are the correctly rounded x * 2^-7 (no FTZ), bit for bit; no division.
+  const float mean = fmul(row_sum(v), 0.0078125f);
   float d2[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     v[i] = fsub(v[i], mean);
     d2[i] = fmul(v[i], v[i]);
   }
-  const float inv = inv_sqrt_eps(fdiv(row_sum(d2), 128.0f), a.eps);
+  const float inv = inv_sqrt_eps(fmul(row_sum(d2), 0.0078125f), a.eps);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {   // values 4q .. 4q+3: dims (q < 2 ? 0 : 64) + 8 lane + 4 (q & 1) + 0..3
     const int d4 = ((q < 2 ? 0 : 64) + 8 * lane + 4 * (q & 1)) / 4;
@@ -559,15 +560,16 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   }
 }
 
-// q blocks, then the k blocks. Whole-token mode (chunks == 0): block b's warp w takes token 8b + w (its 4
+// q blocks and k blocks. Whole-token mode (chunks == 0): block b's warp w takes token 8b + w (its 4
 // groups share the token's heads); else block b takes `chunk_heads` heads of token b / chunks, one group
 // per head (latency: a small call's heads spread over SMs).
 template <int MODE, int IN_DT, int CDT, bool NEOX>
 __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4)
-    indexer_kernel(IndexerArgs a, int64_t nq, int chunks, int chunk_heads) {
+    indexer_kernel(IndexerArgs a, int64_t nk_first, int64_t nq, int chunks, int chunk_heads) {
   __shared__ uint4 smem[kSmemVec4<MODE>];
-  const int64_t b = blockIdx.x;
-  if (b < nq) {
+  // Blocks [0, nk_first) are k blocks, then nq q blocks, then the other k blocks (host: below).
+  const int64_t b = static_cast<int64_t>(blockIdx.x) - nk_first;
+  if (b >= 0 && b < nq) {
 #if !defined(__HIP__)
     // NVIDIA: a call site per mode, each with its team size fixed (H200, session 5: FP8 55 us against
     // 60 us with one call site). AMD: one call site (two inlined copies spill SGPRs on gfx942).
@@ -596,7 +598,8 @@ __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : 
     if (t < a.T) q_heads<MODE, IN_DT, CDT, NEOX, kGroups>(a, t, h_begin, h_end, g, ngroups, smem);
 #endif
   } else {
-    k_row<MODE, IN_DT, CDT, NEOX>(a, (b - nq) * kGroups + (threadIdx.x >> 3), reinterpret_cast<float*>(smem));
+    k_row<MODE, IN_DT, CDT, NEOX>(a, (b < 0 ? b + nk_first : b - nq) * kGroups + (threadIdx.x >> 3),
+                                  reinterpret_cast<float*>(smem));
   }
 }
 
@@ -639,7 +642,11 @@ int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
   const int64_t tokens_per_block = kGroups / 4;
   const int64_t nq = whole ? (a.T + tokens_per_block - 1) / tokens_per_block : a.T * units;
   const int chunks = whole ? 0 : static_cast<int>(units);
-  const int64_t blocks = nq + (a.T + kGroups - 1) / kGroups;
+  const int64_t nk = (a.T + kGroups - 1) / kGroups;
+  const int64_t blocks = nq + nk;
+  // Small T: the k blocks first (the k row is the call's longer chain: its blocks start first); large T:
+  // last (short blocks fill the tail).
+  const int64_t nk_first = whole ? 0 : nk;
   with_mode(a, [&](auto mode) {
     with_half(a.in_dt, [&](auto in_dt) {
       with_float(a.rope.dtype, [&](auto cdt) {
@@ -649,7 +656,7 @@ int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
 #if !defined(__HIP__)
           prefer_shared_memory<M, D, C, N>(stream);
 #endif
-          indexer_kernel<M, D, C, N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, nq, chunks, kGroups);
+          indexer_kernel<M, D, C, N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, nk_first, nq, chunks, kGroups);
         });
       });
     });

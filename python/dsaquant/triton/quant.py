@@ -238,19 +238,29 @@ def _sglang_two_stage(t, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.const
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h, qo_ptr, qs_ptr, slot_ptr,
-                    s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, H, qs_pad,
+                    s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, qs_pad,
                     ue8m0, all_q,
                     X_KIND: tl.constexpr, W_KIND: tl.constexpr, WO_KIND: tl.constexpr, CS_KIND: tl.constexpr,
                     FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr,
                     FMAX: tl.constexpr, INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, NEOX: tl.constexpr,
                     BLOCK_Q: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr,
-                    PACKED_FP4: tl.constexpr):
-    """q rows ((token, head) pairs) of program `pid` (SPEC §7.1)."""
+                    PACKED_FP4: tl.constexpr, H: tl.constexpr, ROWS32: tl.constexpr):
+    """q rows ((token, head) pairs) of program `pid` (SPEC §7.1). H is a constexpr (a model has one or two
+    head counts): the split of a row index into (token, head) is a multiply and a shift, in 32 bits when
+    ROWS32 (T * H < 2^31), instead of a 64-bit division by a runtime H."""
     R: tl.constexpr = BLOCK_Q
-    r = pid.to(tl.int64) * R + tl.arange(0, R)
-    in_range = r < T * H
-    t = r // H
-    h = r % H
+    if ROWS32:
+        r32 = pid * R + tl.arange(0, R)
+        in_range = r32 < T * H
+        t32 = r32 // H
+        h = r32 - t32 * H
+        r = r32.to(tl.int64)
+        t = t32.to(tl.int64)
+    else:
+        r = pid.to(tl.int64) * R + tl.arange(0, R)
+        in_range = r < T * H
+        t = r // H
+        h = r % H
     slot = tl.load(slot_ptr + t * s_slot, mask=in_range, other=-1).to(tl.int64)
     act = in_range & ((slot >= 0) | (all_q != 0))
     p, _ = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)     # the k programs flag bad positions
@@ -360,20 +370,20 @@ def _indexer_kernel(
         q_ptr, sq_t, sq_h, k_ptr, sk_t, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h,
         qo_ptr, qs_ptr, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr, s_pos,
         nw_ptr, s_nw, nb_ptr, s_nb, cos_ptr, sin_ptr, s_cos, s_sin, max_pos,
-        eps, wscale, T, H, n_q_prog, capacity, P, qs_pad, err_ptr, ue8m0, presh, all_q,
+        eps, wscale, T, n_q_prog, capacity, P, qs_pad, err_ptr, ue8m0, presh, all_q,
         X_KIND: tl.constexpr, W_KIND: tl.constexpr, WO_KIND: tl.constexpr, CS_KIND: tl.constexpr,
         NW_KIND: tl.constexpr, NB_KIND: tl.constexpr,
         FP4: tl.constexpr, POLICY: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
         INV_FMAX: tl.constexpr, FNUZ: tl.constexpr, NEOX: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HW_FP8: tl.constexpr, NATIVE: tl.constexpr,
-        PACKED_FP4: tl.constexpr):
+        PACKED_FP4: tl.constexpr, H: tl.constexpr, ROWS32: tl.constexpr):
     """One launch: programs [0, n_q_prog) quantize q rows, the rest LayerNorm/quantize/store k rows."""
     pid = tl.program_id(0)
     if pid < n_q_prog:
         _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, swo_h, qo_ptr, qs_ptr, slot_ptr,
-                        s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, H, qs_pad,
+                        s_slot, pos_ptr, s_pos, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, wscale, T, qs_pad,
                         ue8m0, all_q, X_KIND, W_KIND, WO_KIND, CS_KIND, FP4, POLICY, BIAS, FMAX, INV_FMAX, FNUZ,
-                        NEOX, BLOCK_Q, HW_FP8, NATIVE, PACKED_FP4)
+                        NEOX, BLOCK_Q, HW_FP8, NATIVE, PACKED_FP4, H, ROWS32)
     else:
         _indexer_k_rows(pid - n_q_prog, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr, s_pos, nw_ptr, s_nw,
                         nb_ptr, s_nb, cos_ptr, sin_ptr, s_cos, s_sin, max_pos, eps, T, capacity, P, err_ptr,
@@ -638,12 +648,13 @@ def prepare_indexer(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, n
             wov, weights_out.stride(0), weights_out.stride(1), as_u8(q_out), qs, as_u8(kv_cache), kvs,
             slot_mapping, slot_mapping.stride(0), positions, positions.stride(0),
             nwv, norm_weight.stride(0), nbv, norm_bias.stride(0), cv, sv, cos_cache.stride(0), sin_cache.stride(0),
-            cos_cache.shape[0], as_f32(epsilon), as_f32(weights_scale), T, H, n_q, capacity, page_size, qs_pad,
+            cos_cache.shape[0], as_f32(epsilon), as_f32(weights_scale), T, n_q, capacity, page_size, qs_pad,
             errors.flag_tensor(q.device), int(scale_fmt == "ue8m0" or fp4), int(bool(preshuffle)),
             int(bool(compute_all_q_rope))]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, WO_KIND=wo_kind, CS_KIND=cs_kind, NW_KIND=nw_kind, NB_KIND=nb_kind,
                   FP4=fp4, POLICY=POLICY_IDS[rounding], BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
                   FNUZ=(flavour == "e4m3fnuz"), NEOX=bool(is_neox), BLOCK_Q=bq, BLOCK_K=bk,
+                  H=H, ROWS32=(n_q + n_k) * bq < 2 ** 31,
                   **dict(md, PACKED_FP4=bool(md["PACKED_FP4"]) and fp4 and q.dtype == k.dtype == torch.bfloat16))
     return _indexer_kernel, (n_q + n_k,), args, consts, wq
 
