@@ -612,10 +612,13 @@ V4_FN void rotate_block(const RotateArgs& a) {
     // [T * D/128, 4, 16, qs_pad]; the pad entries (h/16 >= H/16) of (row, G % 4, h) are written 0 by h < 16.
     const int64_t tt = t * (D / 128) + G / 4;
     const int64_t gg = G % 4;
-    a.out_scale[aiter_q_scale_offset(tt, h, gg, a.H)] = static_cast<uint8_t>(ex[c]);
+    // The row's base once, then 32-bit offsets within it (layouts.h aiter_q_scale_in_token).
+    uint8_t* const scale_t = a.out_scale + aiter_q_scale_offset(tt, 0, 0, a.H);
+    const int32_t pad = static_cast<int32_t>(aiter_q_scale_pad(a.H));
+    scale_t[aiter_q_scale_in_token(static_cast<int32_t>(h), static_cast<int32_t>(gg), pad)] = static_cast<uint8_t>(ex[c]);
     if (h < 16)
-      for (int64_t hp = a.H; hp < aiter_q_scale_pad(a.H) * 16; hp += 16)
-        a.out_scale[aiter_q_scale_offset(tt, hp + h, gg, a.H)] = 0;
+      for (int32_t hp = static_cast<int32_t>(a.H); hp < pad * 16; hp += 16)
+        scale_t[aiter_q_scale_in_token(hp + static_cast<int32_t>(h), static_cast<int32_t>(gg), pad)] = 0;
   }
 }
 
