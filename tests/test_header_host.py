@@ -229,6 +229,23 @@ def test_e2m1_encode8_bf16_every_value_every_exponent(h, header_counts, policy):
         check(header_counts, f"e2m1 packed bf16 x all e, {policy}", got[i:i + 32], fp4.pack_nibbles(codes))
 
 
+def test_div128_equals_division(h, header_counts):
+    """rope.h div128 (the k rows' LayerNorm S / 128 as a multiply) against torch's correctly rounded x / 128,
+    bit for bit: every float32 exponent (subnormal results and zeros included) with random fractions and
+    both signs, the fraction extremes, and Inf / NaN (any NaN counts alike)."""
+    rng = np.random.default_rng(128)
+    exps = np.repeat(np.arange(256, dtype=np.uint32), 512)
+    frac = rng.integers(0, 1 << 23, exps.size, dtype=np.uint32)
+    frac[::512] = 0
+    frac[1::512] = (1 << 23) - 1
+    sign = rng.integers(0, 2, exps.size, dtype=np.uint32) << 31
+    x = (sign | (exps << 23) | frac).view(np.float32)
+    want = t32(x) / 128.0
+    sub = (want != 0) & (want.abs() < 2.0 ** -126)
+    assert int(sub.sum()) > 1000   # subnormal results are exercised
+    check(header_counts, "div128 vs x / 128", h.div128(x), want, nan_equal=True)
+
+
 def test_ue8m0_recip_exponent_bf16_every_amax(h, header_counts):
     """The bf16 form of rule recip (e2m1x8.h) on every non-negative bf16 amax, against the reference
     (a NaN amax, which only an all-NaN block gives, counts as 0)."""

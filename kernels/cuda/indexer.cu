@@ -506,15 +506,14 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
     }
     return fadd(p0, p1);
   };
-  // x / 128 as x * 2^-7: both are the correctly rounded x * 2^-7 (no FTZ), bit for bit; no division.
-  const float mean = fmul(row_sum(v), 0.0078125f);
+  const float mean = div128(row_sum(v));   // S / 128 without a division (rope.h)
   float d2[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     v[i] = fsub(v[i], mean);
     d2[i] = fmul(v[i], v[i]);
   }
-  const float inv = inv_sqrt_eps(fmul(row_sum(d2), 0.0078125f), a.eps);
+  const float inv = inv_sqrt_eps(div128(row_sum(d2)), a.eps);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {   // values 4q .. 4q+3: dims (q < 2 ? 0 : 64) + 8 lane + 4 (q & 1) + 0..3
     const int d4 = ((q < 2 ? 0 : 64) + 8 * lane + 4 * (q & 1)) / 4;

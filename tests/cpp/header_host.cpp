@@ -147,6 +147,7 @@ PYBIND11_MODULE(dsq_header_host, m) {
       }
     return out;
   });
+  m.def("div128", [](const arr<float>& x) { return map1<float>(x, [](float v) { return dsq::div128(v); }); });
   m.def("ue8m0_recip_exponent_bf16", [](const arr<uint16_t>& b) {
     return map1<int32_t>(b, [](uint16_t v) { return dsq::ue8m0_recip_exponent_bf16(v); });
   });

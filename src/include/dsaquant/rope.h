@@ -39,6 +39,11 @@ DSQ_HD void rope_row128(float* x, const float* cos32, const float* sin32, bool n
 // 1 / sqrt(v + eps), both correctly rounded (SPEC §0.1).
 DSQ_HD float inv_sqrt_eps(float v, float eps) { return fdiv(1.0f, fsqrt(fadd(v, eps))); }
 
+// S / 128 for the norms of a 128 row, without a division: x * 2^-7 and x / 128 are both the correctly
+// rounded value of x * 2^-7, so their bits agree for every x (subnormal results too: no FTZ, SPEC §0.6).
+// tests/test_header_host.py::test_div128_equals_division checks it.
+DSQ_HD float div128(float x) { return fmul(x, 0.0078125f); }
+
 // LayerNorm: mean = S(x)/n, d = x - mean, var = S(d*d)/n, inv = 1/sqrt(var + eps), y = fl(fl(d*inv)*w) + b.
 DSQ_HD float layer_norm_apply(float d, float inv, float w, float b) { return fadd(fmul(fmul(d, inv), w), b); }
 
