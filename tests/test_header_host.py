@@ -255,6 +255,27 @@ def test_ue8m0_recip_exponent_bf16_every_amax(h, header_counts):
     check(header_counts, "ue8m0 recip, bf16 amax", h.ue8m0_recip_exponent_bf16(b.astype(np.uint16)), want.to(torch.int32))
 
 
+def test_ue8m0_recip_scales_bf16x2_every_amax(h, header_counts):
+    """Both blocks' exponents at once (e2m1x8.h ue8m0_recip_scales_bf16x2, the CUDA FP4 indexer's): every
+    amax 0..Inf in the low half with a random partner in the high half, and the other way round,
+    against ue8m0_recip_exponent_bf16 (tested above on every amax), and each block's multiplier against
+    2^(127-e) in both halves (bf16x2_inv_pow2; for e = 255 the encoder ignores it)."""
+    rng = np.random.default_rng(SEED + 17)
+    b = np.arange(0x7F81, dtype=np.uint32)
+    other = rng.integers(0, 0x7F81, b.size, dtype=np.uint32)
+    words = np.concatenate([b | (other << 16), other | (b << 16)])
+    got = h.ue8m0_recip_scales_bf16x2(words)
+    lo, hi = (words & 0xFFFF).astype(np.uint16), (words >> 16).astype(np.uint16)
+    e_lo, e_hi = h.ue8m0_recip_exponent_bf16(lo), h.ue8m0_recip_exponent_bf16(hi)
+    check(header_counts, "ue8m0 recip x2, exponent a", got[:, 0], e_lo.astype(np.int64))
+    check(header_counts, "ue8m0 recip x2, exponent b", got[:, 1], e_hi.astype(np.int64))
+    for col, e in ((2, e_lo), (3, e_hi)):
+        e = e.astype(np.int64)
+        half = np.where(e < 254, (254 - e) << 7, np.where(e == 254, 0x40, 0))
+        keep = e < 255
+        check(header_counts, f"ue8m0 recip x2, multiplier {'ab'[col - 2]}", got[keep, col], (half | (half << 16))[keep])
+
+
 @pytest.mark.parametrize("policy", list(POLICY))
 def test_e2m1_fp32_sweep(h, header_counts, policy):
     rng = np.random.default_rng(SEED + 3)

@@ -243,11 +243,12 @@ __device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&x
   const uint32_t mb = bf16x2_max_nn(bf16x2_max_nn(ab[0], ab[1]), bf16x2_max_nn(ab[2], ab[3]));
   uint32_t m = bf16x2_max_nn(byte_perm(ma, mb, 0x5410u), byte_perm(ma, mb, 0x7632u));   // (a, b)
   m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 2, kGroupLanes));
-  m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 1, kGroupLanes));
-  e_a = ue8m0_recip_exponent_bf16(m & 0xFFFFu);   // on the amax's bits (an all-NaN block: 1, as amax 0)
-  e_b = ue8m0_recip_exponent_bf16(m >> 16);
-  bytes_a = e2m1_encode8_bf16<R>(xa, aa, e_a);
-  bytes_b = e2m1_encode8_bf16<R>(xb, ab, e_b);
+  m = bf16x2_max_nn(bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 1, kGroupLanes)), 0u);   // an all-NaN block: 0
+  const Bf16x2Scales sc = ue8m0_recip_scales_bf16x2(m);
+  e_a = sc.e_a;
+  e_b = sc.e_b;
+  bytes_a = e2m1_encode8_bf16_s<R>(xa, aa, sc.s_a, sc.nan_a);
+  bytes_b = e2m1_encode8_bf16_s<R>(xb, ab, sc.s_b, sc.nan_b);
 }
 
 // Eight consecutive bf16 values (x0|x1, x2|x3, x4|x5, x6|x7) -> the encoder's pairs (xj | x(j+4)).
@@ -317,7 +318,8 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
   const uint16_t* q_t = static_cast<const uint16_t*>(a.q) + t * a.q_st;
   // The token's outputs: per-head offsets from these bases are 32-bit (a token's part is small).
   const int H = static_cast<int>(a.H);
-  uint8_t* q_out_t = a.q_out + t * H * (MODE == 0 ? 128 : 64);
+  constexpr int kRowBytes = MODE == 0 ? 128 : 64;   // a q row's output bytes
+  uint8_t* q_out_t = a.q_out + t * H * kRowBytes;
   const int qs_pad = static_cast<int>(aiter_q_scale_pad(H));
   uint8_t* q_scale_t = MODE == 0 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H);
   const bool skip = !a.compute_all && slot < 0;   // q rows of a skipped token: not written (warp-uniform)
@@ -337,7 +339,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       uint32_t codes[4];
       const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
       if (!act) return;
-      uint2* out = reinterpret_cast<uint2*>(q_out_t + h * 128);
+      uint2* out = reinterpret_cast<uint2*>(q_out_t + h * kRowBytes);
       out[lane] = make_uint2(codes[0], codes[1]);
       out[8 + lane] = make_uint2(codes[2], codes[3]);
       if (lane == 0) store_weight(a, t, h, fmul(fmul(w, sc), a.weights_scale));
@@ -353,13 +355,14 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
         fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
       }
       if (!act) return;
-      uint32_t* out = reinterpret_cast<uint32_t*>(q_out_t + h * 64);
+      uint32_t* out = reinterpret_cast<uint32_t*>(q_out_t + h * kRowBytes);
       out[lane] = ba;
       out[8 + lane] = bb;
       if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3
         const int blk = lane >> 2;
-        q_scale_t[aiter_q_scale_in_token(h, blk, qs_pad)] = static_cast<uint8_t>(ea);
-        q_scale_t[aiter_q_scale_in_token(h, 2 + blk, qs_pad)] = static_cast<uint8_t>(eb);
+        const int o = aiter_q_scale_in_token(h, blk, qs_pad);   // block 2 + blk: group part + 32 * qs_pad
+        q_scale_t[o] = static_cast<uint8_t>(ea);
+        q_scale_t[o + aiter_q_scale_group_part(2, qs_pad)] = static_cast<uint8_t>(eb);
         if (h < 16)   // pad entries h/16 >= H/16 of this (t, block, h % 16) are written 0
           for (int hp = H; hp < qs_pad * 16; hp += 16) {
             q_scale_t[aiter_q_scale_in_token(hp + h, blk, qs_pad)] = 0;
@@ -413,15 +416,16 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       return;
     }
     rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
-    int sl = 0;
-    for (int hw = hw0; hw < h_end; hw += ngroups) {
+    // Iteration i reads slot i % kSlots (a mask for the default 4 slots) and refills slot (i - 1) % kSlots.
+    unsigned it = 0;
+    for (int hw = hw0; hw < h_end; hw += ngroups, ++it) {
       cp_async_wait<kSlots - 2>();   // this iteration's group (the oldest) has landed
+      const int sl = static_cast<int>(it % kSlots);
       const Raw raw{rows[sl][0][tid], rows[sl][1][tid]};
       const float w = MODE == 0 ? wts[sl][grp] : 0.0f;
       // Refill the slot read in the previous iteration: its values have been used (this thread's own
       // shared-memory reads are ordered before its later cp.async).
-      stage(sl == 0 ? kSlots - 1 : sl - 1);
-      sl = sl == kSlots - 1 ? 0 : sl + 1;
+      stage(static_cast<int>((it + kSlots - 1) % kSlots));
       head(raw, hw + gw, w, hw + gw < h_end);
     }
   } else
@@ -475,12 +479,14 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
   const Raw raw = load_raw(static_cast<const uint16_t*>(a.k) + t * a.k_st, lane, a.k_vec);
   // The norm weights and biases (any dtype) as fp32, one per thread, loaded with the rows: the barrier
-  // comes before any group leaves.
-  {
-    const int i = threadIdx.x;
-    norm[i] = i < 128 ? load_f(a.norm_w, i, a.norm_w_dt) : load_f(a.norm_b, i - 128, a.norm_b_dt);
-    __syncthreads();
-  }
+  // comes before any group leaves. The RoPE entries are loaded before the slot checks, so that their
+  // latency (after the position's) overlaps the barrier and the LayerNorm.
+  const int i = threadIdx.x;
+  const float nv = i < 128 ? load_f(a.norm_w, i, a.norm_w_dt) : load_f(a.norm_b, i - 128, a.norm_b_dt);
+  float c[8], s[8];
+  rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+  norm[i] = nv;
+  __syncthreads();
   if (!valid) return;
   // SPEC §7.5: an out-of-range position is clamped and reported (once per token: here).
   if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, 2);
@@ -489,8 +495,7 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
     if (lane == 0) atomicOr(a.err_flag, 1);
     return;
   }
-  float c[8], s[8];
-  rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+  const SlotPos sp = slot_pos(slot, a.P);   // the slot's page and place, once (it overlaps the LayerNorm)
   float v[16];
   unpack<IN_DT>(raw, v);
   // LayerNorm (SPEC §5): mean = S(x)/128, d = x - mean, var = S(d*d)/128, y = fl(fl(d*inv)*w) + b,
@@ -533,11 +538,11 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
     const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::k, a.ue8m0, codes);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {   // 4-byte stores: a page's base is only 4-byte aligned for odd P
-      uint32_t* d = reinterpret_cast<uint32_t*>(a.kv_cache + fp8_132_data_offset(slot, a.P, 64 * h + 8 * lane, a.preshuffle));
+      uint32_t* d = reinterpret_cast<uint32_t*>(a.kv_cache + fp8_132_data_offset_at(sp, a.P, 64 * h + 8 * lane, a.preshuffle));
       d[0] = codes[2 * h];
       d[1] = codes[2 * h + 1];
     }
-    if (lane == 0) *reinterpret_cast<float*>(a.kv_cache + fp8_132_scale_offset(slot, a.P)) = sc;
+    if (lane == 0) *reinterpret_cast<float*>(a.kv_cache + fp8_132_scale_offset_at(sp, a.P)) = sc;
   } else {
     uint32_t ba, bb;
     int ea, eb;
@@ -549,12 +554,12 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
     } else {
       fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
     }
-    *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = ba;
-    *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset(slot, a.P, 32 + 4 * lane)) = bb;
+    *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset_at(sp, a.P, 4 * lane)) = ba;
+    *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset_at(sp, a.P, 32 + 4 * lane)) = bb;
     if ((lane & 3) == 0) {
       const int blk = lane >> 2;
-      a.kv_scale[aiter_fp4_scale_offset(slot, a.P, blk)] = static_cast<uint8_t>(ea);
-      a.kv_scale[aiter_fp4_scale_offset(slot, a.P, 2 + blk)] = static_cast<uint8_t>(eb);
+      a.kv_scale[aiter_fp4_scale_offset_at(sp, a.P, blk)] = static_cast<uint8_t>(ea);
+      a.kv_scale[aiter_fp4_scale_offset_at(sp, a.P, 2 + blk)] = static_cast<uint8_t>(eb);
     }
   }
 }
@@ -585,8 +590,10 @@ __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : 
       g = (threadIdx.x >> 3) & 3;
       ngroups = 4;
     } else {
-      t = b / chunks;
-      h_begin = static_cast<int>(b % chunks) * chunk_heads;
+      // b < 2^31 (a block index): a 32-bit division (a 64-bit one is a call on the small-T critical path)
+      const uint32_t ub = static_cast<uint32_t>(b), uc = static_cast<uint32_t>(chunks);
+      t = ub / uc;
+      h_begin = static_cast<int>(ub % uc) * chunk_heads;
       h_end = h_begin + chunk_heads < h_end ? h_begin + chunk_heads : h_end;
       g = threadIdx.x >> 3;
       ngroups = kGroups;

@@ -120,40 +120,78 @@ DSQ_HD int ue8m0_recip_exponent_bf16(uint32_t b) {
   return b == 0x7F80u ? 255 : (b > 0x7F80u || e < 1 ? 1 : e);
 }
 
-// Words of |x| (sign bits cleared), as the encoder and a bf16x2 amax take them.
-DSQ_HD uint32_t bf16x2_abs(uint32_t x) { return x & 0x7FFF7FFFu; }
+// The same for two blocks at once, with their encoder multipliers: m = amax_a | amax_b << 16 (bf16
+// bits, each 0..0x7F80: the caller maps an all-NaN block's NaN to 0). Per half, t = (e + 2) << 7 =
+// max((b + 63) & 0xFF80, 3 << 7) (no carry crosses the halves; non-negative bf16 bits order as
+// integers), and 2^(127-e) has the bits (254 - e) << 7 = 0x8000 - t (e <= 253 for a finite amax).
+// An Inf amax gives e = 255 and a multiplier the encoder ignores (nan_scale). tests/test_header_host.py
+// checks every amax in either half against ue8m0_recip_exponent_bf16 and bf16x2_inv_pow2.
+struct Bf16x2Scales {
+  uint32_t s_a, s_b;     // 2^(127-e) in both halves of each word (e2m1_encode8_bf16_s)
+  int e_a, e_b;          // the exponents, 1..255
+  bool nan_a, nan_b;     // e == 255 (an Inf amax: the NaN scale)
+};
+DSQ_HD Bf16x2Scales ue8m0_recip_scales_bf16x2(uint32_t m) {
+  const uint32_t t = bf16x2_max_nn((m + 0x003F003Fu) & 0xFF80FF80u, 0x01800180u);
+  const uint32_t s = 0x80008000u - t;
+  const bool inf_a = (m << 16) == 0x7F800000u, inf_b = m >= 0x7F800000u;
+  return Bf16x2Scales{byte_perm(s, s, 0x1010u),
+                      byte_perm(s, s, 0x3232u),
+                      inf_a ? 255 : static_cast<int>((t & 0xFFFFu) >> 7) - 2,
+                      inf_b ? 255 : static_cast<int>(t >> 23) - 2,
+                      inf_a,
+                      inf_b};
+}
 
-// SPEC §2 + §3, policy R: eight bf16 values of one block with biased exponent e (1..255), given as
-// x[j] = (value j, value j + 4) and ax[j] = bf16x2_abs(x[j]) -> four packed bytes (value 2i in the low
-// nibble of byte i, SPEC §1). NaN inputs count as the canonical (positive) NaN; e = 255 (a NaN scale)
-// gives sign | 0x7 under hardware and 0x7 otherwise (SPEC §3). Equals, byte for byte,
+// Words of |x| (sign bits cleared), as the encoder and a bf16x2 amax take them. CUDA: abs.bf16x2, which
+// ptxas folds into the |x| operand modifiers of the max and multiply that read it (no instruction).
+DSQ_HD uint32_t bf16x2_abs(uint32_t x) {
+#if defined(DSQ_BF16X2_NATIVE)
+  uint32_t d;
+  asm("abs.bf16x2 %0, %1;" : "=r"(d) : "r"(x));
+  return d;
+#else
+  return x & 0x7FFF7FFFu;
+#endif
+}
+
+// SPEC §2 + §3, policy R: eight bf16 values of one block, given as x[j] = (value j, value j + 4) and
+// ax[j] = bf16x2_abs(x[j]), with the block's multiplier s = 2^(127-e) in both halves (bf16x2_inv_pow2,
+// ue8m0_recip_scales_bf16x2) -> four packed bytes (value 2i in the low nibble of byte i, SPEC §1). NaN
+// inputs count as the canonical (positive) NaN; nan_scale (e = 255) gives sign | 0x7 under hardware and
+// 0x7 otherwise (SPEC §3), whatever s is. Equals, byte for byte,
 // pack_nibbles(e2m1_encode_scaled(canon_nan(x[2i]), e, R), e2m1_encode_scaled(canon_nan(x[2i+1]), e, R)).
 template <Rounding R>
-DSQ_HD uint32_t e2m1_encode8_bf16(const uint32_t (&x)[4], const uint32_t (&ax)[4], int e) {
-  constexpr uint32_t kNegZero = 0x80008000u, kSix = 0x40C040C0u, kOne = 0x3F803F80u;
+DSQ_HD uint32_t e2m1_encode8_bf16_s(const uint32_t (&x)[4], const uint32_t (&ax)[4], uint32_t s, bool nan_scale) {
+  constexpr uint32_t kNegZero = 0x80008000u, kSix = 0x40C040C0u, kOne = 0x3F803F80u, kInf = 0x7F807F80u;
   constexpr uint32_t k64 = 0x42804280u, kMinus2m120 = 0x83808380u, k2m126 = 0x00800080u;
   constexpr uint32_t kK = R == Rounding::threshold ? 0x3F7F3F7Fu : kOne;   // 1 - 2^-8 : 1
-  const uint32_t s = bf16x2_inv_pow2(e);
-  uint32_t z[4], sgn[4];
+  uint32_t z[4], xc[4];
   for (int j = 0; j < 4; ++j) {
     const uint32_t c = bf16x2_min_nn(bf16x2_fma(ax[j], s, kNegZero), kSix);    // min(|v|, 6), exact
     const uint32_t mx = bf16x2_max_nn(c, kOne) & 0x7F807F80u;                  // 2^E'
     const uint32_t r = bf16x2_fma(c, kK, bf16x2_fma(mx, k64, kNegZero));       // fl(c*K + M)
     z[j] = bf16x2_fma(r, k2m126, bf16x2_fma(mx, kMinus2m120, kNegZero));       // (R - M) * 2^-126: m << 6
-    sgn[j] = x[j] & ~(ax[j] + 0x007F007Fu) & 0x80008000u;                      // sign bits, 0 for NaN
+    xc[j] = bf16x2_min_nn(x[j], kInf);                                         // a NaN -> +Inf (positive)
   }
-  // Magnitudes: z[j] holds m of value j at bits 6..8 and of value j + 4 at bits 22..24.
-  const uint32_t lo = z[0] | (z[1] << 4), hi = z[2] | (z[3] << 4);
-  const uint32_t mag = (lo >> 6) | (hi << 2);
+  // Magnitudes: z[j] holds m of value j at bits 6..8 and of value j + 4 at bits 22..24 (the fields do
+  // not overlap: + is |, and the multiplies can go to the FMA pipe on CUDA).
+  const uint32_t lo = z[0] + z[1] * 16u, hi = z[2] + z[3] * 16u;
+  const uint32_t mag = (lo >> 6) + hi * 4u;
   // Signs: bytes 1 and 3 of each word hold them at bit 7; gather values (0, 2, 4, 6) and (1, 3, 5, 7).
-  const uint32_t sg = (byte_perm(sgn[0], sgn[2], 0x7351u) >> 4) | byte_perm(sgn[1], sgn[3], 0x7351u);
+  const uint32_t sg = ((byte_perm(xc[0], xc[2], 0x7351u) >> 4) & 0x08080808u) | (byte_perm(xc[1], xc[3], 0x7351u) & 0x80808080u);
   uint32_t out;
   if (R == Rounding::hardware)
     out = mag | sg;
   else
     out = mag | (sg & (mag + 0x77777777u));   // bit 3 of a nibble m + 7 is set iff m != 0
-  const uint32_t nan_scale = R == Rounding::hardware ? (0x77777777u | sg) : 0x77777777u;
-  return e == 255 ? nan_scale : out;
+  const uint32_t nan_out = R == Rounding::hardware ? (0x77777777u | sg) : 0x77777777u;
+  return nan_scale ? nan_out : out;
+}
+// The same with the block's exponent e (1..255).
+template <Rounding R>
+DSQ_HD uint32_t e2m1_encode8_bf16(const uint32_t (&x)[4], const uint32_t (&ax)[4], int e) {
+  return e2m1_encode8_bf16_s<R>(x, ax, bf16x2_inv_pow2(e), e == 255);
 }
 
 }  // namespace dsq
