@@ -14,7 +14,9 @@
 // T, block b takes 32 heads of token b / ceil(H/32), one head per group, so that a call's heads spread
 // over several SMs (latency). q rows arrive either through registers (kHeadsInFlight heads loaded before
 // any is processed: FP8, AMD, small T) or, for FP4 at large T on NVIDIA, through a per-thread cp.async ring
-// in shared memory (kStages - 1 heads in flight, no registers held: q_heads). The last ceil(T/32) blocks
+// in shared memory (kStages - 1 heads in flight, no registers held: q_heads), where the warp's RoPE entries
+// also wait (read again per head: the 16 registers they free keep the output addresses in registers; H200,
+// session 6: 51.2 -> 49.0 us at T=8192). The last ceil(T/32) blocks
 // are k blocks, one k row per group; a k block shares the norm weights through shared memory, loaded with
 // the rows (at small T the k row is the call's critical path). 1-D grid (no 65535 limit).
 // Template parameters: MODE 0 = FP8; 1, 2, 3 = FP4 with rounding policy MODE-1 (SPEC §2); IN_DT the
@@ -68,9 +70,16 @@ constexpr int kGroups = 256 / kGroupLanes;     // rows per block
 template <int MODE>
 constexpr int kStages = MODE == 0 ? DSQ_INDEXER_STAGES_FP8 : DSQ_INDEXER_STAGES_FP4;
 // The block's shared memory, in 16-byte units: a q block's row ring ([slot][a / b][thread] uint4, then the
-// FP8 weights [slot][group] float), or a k block's norm weights and biases (256 floats).
+// FP8 weights [slot][group] float, then the RoPE entries [c0-3, c4-7, s0-3, s4-7][thread] float4), or a
+// k block's norm weights and biases (256 floats).
 template <int MODE>
-constexpr int kSmemVec4 = kStages<MODE> >= 2 ? kStages<MODE> * (2 * 256 + (MODE == 0 ? kGroups / 4 : 0)) : 256 / 4;
+constexpr int kRingVec4 = kStages<MODE> * (2 * 256 + (MODE == 0 ? kGroups / 4 : 0));
+#ifndef DSQ_INDEXER_TABLE_IN_SMEM   // ring path: the thread's RoPE entries in shared memory, not registers
+#define DSQ_INDEXER_TABLE_IN_SMEM 1
+#endif
+constexpr bool kTableInSmem = DSQ_INDEXER_TABLE_IN_SMEM;
+template <int MODE>
+constexpr int kSmemVec4 = kStages<MODE> >= 2 ? kRingVec4<MODE> + (kTableInSmem ? 4 * 256 : 0) : 256 / 4;
 
 __device__ __forceinline__ unsigned group_mask8() { return 0xFFu << (threadIdx.x & 24); }
 __device__ __forceinline__ float shfl8(unsigned mask, float v, int s) { return __shfl_xor_sync(mask, v, s, kGroupLanes); }
@@ -321,15 +330,20 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
   constexpr int kRowBytes = MODE == 0 ? 128 : 64;   // a q row's output bytes
   uint8_t* q_out_t = a.q_out + t * H * kRowBytes;
   const int qs_pad = static_cast<int>(aiter_q_scale_pad(H));
-  uint8_t* q_scale_t = MODE == 0 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H);
+  // FP4 exponents: lane 0 of a group stores blocks 0 and 2, lane 4 blocks 1 and 3 (layouts.h: a block's
+  // part plus a head's part); q_scale_l holds the token's base plus this lane's first block's part.
+  const int blk = (lane >> 2) & 1, scale_2 = aiter_q_scale_group_part(2, qs_pad);
+  uint8_t* q_scale_l =
+      MODE == 0 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H) + aiter_q_scale_group_part(blk, qs_pad);
   const bool skip = !a.compute_all && slot < 0;   // q rows of a skipped token: not written (warp-uniform)
   // FP4: weights_out = the weights, unchanged (SPEC §7.1), copied by the whole team, a head per thread; the
   // first is loaded now (at small T its latency would otherwise come after the heads').
   const int hw_first = h_begin + g * kGroupLanes + lane;
   const float w_first = MODE != 0 && hw_first < h_end ? load_f(a.w, t * a.w_st + hw_first * a.w_sh, a.w_dt) : 0.0f;
   float c[8], s[8];
-  // Head h from its raw row; w: its weight (FP8, lane 0); act: h < h_end (else nothing is stored).
-  auto head = [&](const Raw& raw, int h, float w, bool act) {
+  // Head h from its raw row; w: its weight (FP8, lane 0); act: h < h_end (else nothing is stored);
+  // out_h: the head's output row, q_out_t + h * kRowBytes.
+  auto head = [&](const Raw& raw, int h, float w, bool act, uint8_t* out_h) {
     float v[16];
     constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
     unpack<IN_DT>(raw, v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
@@ -339,7 +353,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       uint32_t codes[4];
       const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
       if (!act) return;
-      uint2* out = reinterpret_cast<uint2*>(q_out_t + h * kRowBytes);
+      uint2* out = reinterpret_cast<uint2*>(out_h);
       out[lane] = make_uint2(codes[0], codes[1]);
       out[8 + lane] = make_uint2(codes[2], codes[3]);
       if (lane == 0) store_weight(a, t, h, fmul(fmul(w, sc), a.weights_scale));
@@ -355,18 +369,17 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
         fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
       }
       if (!act) return;
-      uint32_t* out = reinterpret_cast<uint32_t*>(q_out_t + h * kRowBytes);
+      uint32_t* out = reinterpret_cast<uint32_t*>(out_h);
       out[lane] = ba;
       out[8 + lane] = bb;
-      if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3
-        const int blk = lane >> 2;
-        const int o = aiter_q_scale_in_token(h, blk, qs_pad);   // block 2 + blk: group part + 32 * qs_pad
-        q_scale_t[o] = static_cast<uint8_t>(ea);
-        q_scale_t[o + aiter_q_scale_group_part(2, qs_pad)] = static_cast<uint8_t>(eb);
+      if ((lane & 3) == 0) {   // lane 0: blocks 0 and 2; lane 4: blocks 1 and 3 (block 2 + blk: + scale_2)
+        uint8_t* sp = q_scale_l + aiter_q_scale_head_part(h, qs_pad);
+        sp[0] = static_cast<uint8_t>(ea);
+        sp[scale_2] = static_cast<uint8_t>(eb);
         if (h < 16)   // pad entries h/16 >= H/16 of this (t, block, h % 16) are written 0
           for (int hp = H; hp < qs_pad * 16; hp += 16) {
-            q_scale_t[aiter_q_scale_in_token(hp + h, blk, qs_pad)] = 0;
-            q_scale_t[aiter_q_scale_in_token(hp + h, 2 + blk, qs_pad)] = 0;
+            q_scale_l[aiter_q_scale_head_part(hp + h, qs_pad)] = 0;
+            q_scale_l[aiter_q_scale_head_part(hp + h, qs_pad) + scale_2] = 0;
           }
       }
     }
@@ -416,17 +429,34 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       return;
     }
     rope_entries<NEOX, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, 1), lane, c, s);
+    // The RoPE entries wait in shared memory (each thread reads back only its own) and are read again in every
+    // iteration: 4 shared-memory loads free 16 registers, with which the output addresses stay in registers
+    // instead of being recomputed from t in every iteration.
+    auto cs = reinterpret_cast<float4(*)[256]>(smem + kRingVec4<MODE>);   // [c0-3, c4-7, s0-3, s4-7][thread]
+    if constexpr (kTableInSmem) {
+      cs[0][tid] = make_float4(c[0], c[1], c[2], c[3]);
+      cs[1][tid] = make_float4(c[4], c[5], c[6], c[7]);
+      cs[2][tid] = make_float4(s[0], s[1], s[2], s[3]);
+      cs[3][tid] = make_float4(s[4], s[5], s[6], s[7]);
+    }
     // Iteration i reads slot i % kSlots (a mask for the default 4 slots) and refills slot (i - 1) % kSlots.
     unsigned it = 0;
+    uint8_t* out_h = q_out_t + (hw0 + gw) * kRowBytes;
     for (int hw = hw0; hw < h_end; hw += ngroups, ++it) {
       cp_async_wait<kSlots - 2>();   // this iteration's group (the oldest) has landed
       const int sl = static_cast<int>(it % kSlots);
       const Raw raw{rows[sl][0][tid], rows[sl][1][tid]};
+      if constexpr (kTableInSmem) {
+        const float4 c0 = cs[0][tid], c1 = cs[1][tid], s0 = cs[2][tid], s1 = cs[3][tid];
+        c[0] = c0.x; c[1] = c0.y; c[2] = c0.z; c[3] = c0.w; c[4] = c1.x; c[5] = c1.y; c[6] = c1.z; c[7] = c1.w;
+        s[0] = s0.x; s[1] = s0.y; s[2] = s0.z; s[3] = s0.w; s[4] = s1.x; s[5] = s1.y; s[6] = s1.z; s[7] = s1.w;
+      }
       const float w = MODE == 0 ? wts[sl][grp] : 0.0f;
       // Refill the slot read in the previous iteration: its values have been used (this thread's own
       // shared-memory reads are ordered before its later cp.async).
       stage(static_cast<int>((it + kSlots - 1) % kSlots));
-      head(raw, hw + gw, w, hw + gw < h_end);
+      head(raw, hw + gw, w, hw + gw < h_end, out_h);
+      out_h += ngroups * kRowBytes;   // carried: not recomputed from t in every iteration
     }
   } else
 #endif
@@ -454,7 +484,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       for (int i = 0; i < kHeadsInFlight; ++i) {
         const int h = hw + ngroups * i + gw;
         if (hw + ngroups * i >= h_end) break;   // warp-uniform
-        head(raw[i], h, w[i], h < h_end);
+        head(raw[i], h, w[i], h < h_end, q_out_t + h * kRowBytes);
       }
     }
   }
