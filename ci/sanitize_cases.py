@@ -19,8 +19,8 @@ for T in (1, 37, 300):
     dq.rope_fake_quant_fp4(a["q"], a["positions"], a["freqs"], 16, "e4m3", backend=backend)
     for layout in ("aiter_fp4", "dense"):
         dq.rmsnorm_rope_rotate_fp4quant_kvcache(**tt.make_v4_k(T=T, device=dev, layout=layout), backend=backend)
-for mode, H in (("fp8", 18), ("fp4", 48)):   # a warp per token (T * ceil(H/32) >= 2048); FP8: the last 4 heads partly empty
-    dq.indexer_qk_rope_quant_and_cache(**tt.make_indexer(T=2048, H=H, mode=mode, device=dev), backend=backend)
+for mode, H, T in (("fp8", 18, 4096), ("fp4", 48, 2048)):   # a warp per token (T * ceil(H/32) >= 4096 FP8, 2048 FP4); FP8: the last 4 heads partly empty
+    dq.indexer_qk_rope_quant_and_cache(**tt.make_indexer(T=T, H=H, mode=mode, device=dev), backend=backend)
 
 
 def v4_compress(ratio, mode, starts, lens, D=128, P=64):

@@ -62,8 +62,13 @@ namespace {
 #ifndef DSQ_INDEXER_MIN_BLOCKS_FP4
 #define DSQ_INDEXER_MIN_BLOCKS_FP4 4
 #endif
-#ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS
-#define DSQ_INDEXER_WHOLE_TOKEN_UNITS 2048   // T * ceil(H/32) from which a q block takes a whole token
+// T * ceil(H/32) from which a q warp takes a whole token (H200, session 6 run 7, H = 64: FP8 T=1024 12.07 us
+// in chunks against 15.48 whole, T=2048 19.13 whole against 21.31; FP4 T=1024 11.62 whole against 11.93).
+#ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP8
+#define DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP8 4096
+#endif
+#ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP4
+#define DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP4 2048
 #endif
 constexpr int kGroupLanes = 8;                 // lanes per row
 constexpr int kGroups = 256 / kGroupLanes;     // rows per block
@@ -674,7 +679,7 @@ int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
   // per-token work is shared by H/4 heads per group); few: one unit per block, so that a small call's
   // heads spread over several SMs.
   const int64_t units = (a.H + kGroups - 1) / kGroups;
-  const bool whole = a.T * units >= DSQ_INDEXER_WHOLE_TOKEN_UNITS;
+  const bool whole = a.T * units >= (a.fp4 ? DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP4 : DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP8);
   const int64_t tokens_per_block = kGroups / 4;
   const int64_t nq = whole ? (a.T + tokens_per_block - 1) / tokens_per_block : a.T * units;
   const int chunks = whole ? 0 : static_cast<int>(units);

@@ -97,10 +97,11 @@ def test_indexer(backend, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("T,H,mode,aligned", [(2048, 48, "fp4", True), (2048, 18, "fp8", True), (2048, 7, "fp8", True),
+@pytest.mark.parametrize("T,H,mode,aligned", [(2048, 48, "fp4", True), (4096, 18, "fp8", True), (4096, 7, "fp8", True),
                                               (2100, 48, "fp4", False), (2048, 64, "fp8", False)])
 def test_indexer_whole_token_heads(backend, T, H, mode, aligned):
-    """Large T (a warp per token, the CUDA kernel's cp.async row ring in FP4): FP8 head counts that leave
+    """Large T (a warp per token from T * ceil(H/32) = 2048 in FP4, 4096 in FP8; the CUDA kernel's cp.async
+    row ring in FP4): FP8 head counts that leave
     part of a warp's last 4 heads empty (those groups compute on a clamped row and store nothing; FP4 needs
     H % 16 == 0), and q rows that are not 16-byte aligned (the one-value-at-a-time loader)."""
     a = tt.make_indexer(T=T, H=H, mode=mode, device=DEV, seed=T + H, rounding="rne")
