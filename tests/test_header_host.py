@@ -274,6 +274,24 @@ def test_ue8m0_recip_scales_bf16x2_every_amax(h, header_counts):
         half = np.where(e < 254, (254 - e) << 7, np.where(e == 254, 0x40, 0))
         keep = e < 255
         check(header_counts, f"ue8m0 recip x2, multiplier {'ab'[col - 2]}", got[keep, col], (half | (half << 16))[keep])
+        check(header_counts, f"ue8m0 recip x2, NaN scale {'ab'[col - 2]}", got[:, col + 2], (e == 255).astype(np.int64))
+
+
+def test_layouts_slots_past_32_bits(h, header_counts):
+    """layouts.h splits a slot into (page, place) in 32 bits when the slot and P fit, else in 64 bits:
+    slots on both sides of 2^32 and far past it, with page sizes that do and do not divide them, against
+    the reference layouts."""
+    rng = np.random.default_rng(SEED + 19)
+    t = np.concatenate([np.arange(2**32 - 70, 2**32 + 70), rng.integers(2**32, 2**45, 200), rng.integers(0, 2**32, 200)])
+    t = t.astype(np.int64)
+    for P in (16, 64, 48):
+        tt, bb = np.repeat(t, 4), np.tile(np.array([0, 17, 40, 63], dtype=np.int64), t.size)
+        check(header_counts, f"packed68_payload_offset, large slots P={P}", h.packed68_payload_offset(tt, P, bb),
+              layouts.packed68_payload_offset(torch.from_numpy(tt), P, torch.from_numpy(bb)))
+        check(header_counts, f"aiter_fp4_data_offset, large slots P={P}", h.aiter_fp4_data_offset(tt, P, bb),
+              layouts.aiter_fp4_data_offset(torch.from_numpy(tt), P, torch.from_numpy(bb)))
+        check(header_counts, f"fp8_132_scale_offset, large slots P={P}", h.fp8_132_scale_offset(t, P),
+              layouts.fp8_132_scale_offset(torch.from_numpy(t), P))
 
 
 @pytest.mark.parametrize("policy", list(POLICY))

@@ -151,17 +151,19 @@ PYBIND11_MODULE(dsq_header_host, m) {
   m.def("ue8m0_recip_exponent_bf16", [](const arr<uint16_t>& b) {
     return map1<int32_t>(b, [](uint16_t v) { return dsq::ue8m0_recip_exponent_bf16(v); });
   });
-  // Two blocks' exponents and encoder multipliers from their packed amax (e2m1x8.h) -> [n, 4] int64:
-  // e_a, e_b, s_a, s_b.
+  // Two blocks' exponents and encoder multipliers from their packed amax (e2m1x8.h) -> [n, 6] int64:
+  // e_a, e_b, s_a, s_b, nan_a, nan_b.
   m.def("ue8m0_recip_scales_bf16x2", [](const arr<uint32_t>& mw) {
-    auto out = shaped<int64_t>({mw.size(), 4});
+    auto out = shaped<int64_t>({mw.size(), 6});
     for (py::ssize_t i = 0; i < mw.size(); ++i) {
       const dsq::Bf16x2Scales sc = dsq::ue8m0_recip_scales_bf16x2(mw.data()[i]);
-      int64_t* o = out.mutable_data() + 4 * i;
+      int64_t* o = out.mutable_data() + 6 * i;
       o[0] = sc.e_a;
       o[1] = sc.e_b;
       o[2] = sc.s_a;
       o[3] = sc.s_b;
+      o[4] = sc.nan_a;
+      o[5] = sc.nan_b;
     }
     return out;
   });
