@@ -134,7 +134,7 @@ def make_case(layout, B=3, N=1, H=16, P=64, seed=0, ctxs=None, L=None, per_query
         for i in range(need[b]):
             tables[b, i] = perm[k]
             k += 1
-    if bad_pages:  # ids outside the cache inside the context: the reference reads slot 0 there
+    if bad_pages:  # ids outside the cache inside the context: not read, -inf and flagged
         for b in range(B):
             if need[b] >= 2:
                 tables[b, 1] = NB + 5 if b % 2 else -3
@@ -184,6 +184,7 @@ def magnitude(args):
     """mag of the module docstring: the reference scorer on sign-cleared codes, |scales|, |w|."""
     import torch
     from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
+    from dsaquant.testing import run_scorer
     q, kv, w, ctx, tables, L, layout, qs, ks, ws, pre, flavour, P = args
     qa = q.view(torch.uint8)
     if layout == "fp8_132":
@@ -199,16 +200,17 @@ def magnitude(args):
             kva[:, :P * 64] &= 0x77
         else:
             kva &= 0x77
-    return ref_scorer(qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
+    return run_scorer(ref_scorer, qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
 
 
 def check(args, tol, knobs):
     """(worst error / tolerance, note) of the Triton scorer against the reference on `args`."""
     import torch
     from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
+    from dsaquant.testing import run_scorer
     from dsaquant.triton import scorer as S
-    out = S.paged_mqa_logits(*args, **knobs)
-    ref = ref_scorer(*args)
+    out = run_scorer(S.paged_mqa_logits, *args, **knobs)
+    ref = run_scorer(ref_scorer, *args)
     B, N = args[0].shape[:2]
     if out.shape != ref.shape or out.shape != (B * N, args[5]) or out.dtype != torch.float32:
         return None, f"shape/dtype {tuple(out.shape)} {out.dtype} vs {tuple(ref.shape)}"
@@ -228,6 +230,7 @@ def check(args, tol, knobs):
 
 def run_case(case):
     import torch
+    from dsaquant.testing import run_scorer
     from dsaquant.triton import scorer as S
     mk = dict(case["make"])
     for k in ("w_dtype", "idx_dtype"):
@@ -236,7 +239,7 @@ def run_case(case):
     args = make_case(**mk)
     kind = case.get("kind", "check")
     if kind == "empty":
-        out = S.paged_mqa_logits(*args)
+        out = run_scorer(S.paged_mqa_logits, *args)
         return dict(ok=tuple(out.shape) == (args[0].shape[0] * args[0].shape[1], 0), note=f"shape {tuple(out.shape)}")
     if kind == "dispatch":
         from dsaquant import dispatch, ops
@@ -246,7 +249,7 @@ def run_case(case):
         q, kv, w, ctx, tables, L, layout, qs, ks, ws, pre, flavour, P = args
         out = ops.paged_mqa_logits(q, kv, w, ctx, tables, L, layout=layout, q_scale=qs, kv_cache_scale=ks,
                                    weight_scale=ws, backend="triton")
-        direct = S.paged_mqa_logits(*args)
+        direct = run_scorer(S.paged_mqa_logits, *args)
         return dict(ok=bool(torch.equal(out, direct)), note="dispatch result differs from the direct call")
     tol = S.TOL_NATIVE_FP8 if case.get("tol") == "native" else S.TOL_EXACT_PRODUCTS
     worst, note = check(args, tol, case.get("knobs", {}))
@@ -254,7 +257,7 @@ def run_case(case):
         return dict(ok=False, note=note)
     if case.get("expect_nan"):
         from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
-        if not bool(torch.isnan(ref_scorer(*args)).any()):
+        if not bool(torch.isnan(run_scorer(ref_scorer, *args)).any()):
             return dict(ok=False, note="the case was meant to produce NaN logits")
     return dict(ok=worst <= 1.0, worst=worst, note=note)
 

@@ -85,9 +85,14 @@ def log(msg: str) -> None:
 
 
 # ---- inputs and cache keys -------------------------------------------------------------------------------
+# NVIDIA-only sources: the decode scorer is written for sm_90a's wgmma; AMD scores with the Triton kernel.
+NVIDIA_ONLY = {"scorer.cu", "scorer.h", "wgmma.cuh"}
+
+
 def cuda_sources() -> list[str]:
     """The translated sources, relative to the repository root."""
-    files = sorted(p for p in CUDA_DIR.iterdir() if p.is_file() and p.suffix in (".cu", ".cuh", ".h"))
+    files = sorted(p for p in CUDA_DIR.iterdir()
+                   if p.is_file() and p.suffix in (".cu", ".cuh", ".h") and p.name not in NVIDIA_ONLY)
     return [p.relative_to(ROOT).as_posix() for p in files] + [BINDINGS]
 
 

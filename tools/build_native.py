@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SOURCES = ["src/bindings.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu",
-                "kernels/cuda/v4.cu"]
+                "kernels/cuda/v4.cu", "kernels/cuda/scorer.cu"]
 
 
 def find_nvcc() -> str | None:

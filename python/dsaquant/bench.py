@@ -165,7 +165,8 @@ def v4_cases():
            lambda s: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes)
 
 
-def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print, v4=True):
+def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print, v4=True,
+        scorer=True):
     bw = copy_bandwidth()
     log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s")
     backends = backends or [b for b in ("cuda", "triton", "reference") if dispatch.available(b)[0]]
@@ -197,24 +198,11 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
     for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
         bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None)
     scorer_rows, tc = [], {}
-    if "triton" in backends:
-        try:
-            from .triton.scorer import bench_scorer
-            tc = tensor_core_ceilings()
-            log("tensor-core ceilings (dense 8192^3 products): "
-                + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()))
-            for layout in ("fp8_132", "packed68", "aiter_fp4"):
-                for (B, N, ctx) in ((64, 1, 8192), (4, 4, 32768)):
-                    us, moved, flops = bench_scorer(layout, B, N, heads, ctx)
-                    # the fp8_132 scorer runs an fp8 dot where the device has one, the FP4 layouts a bf16 dot
-                    dot = "fp8" if layout == "fp8_132" and "fp8" in tc else "bf16"
-                    tflops = flops / us / 1e6
-                    scorer_rows.append(dict(op=f"paged_mqa_logits {layout}", batch=B, next_n=N, context=ctx,
-                                            backend="triton", us=us, gb_s=moved / us / 1e3,
-                                            pct_copy=100 * moved / us / 1e3 / bw, tflops=tflops, dot=dot,
-                                            pct_tc=100 * tflops / tc[dot] if dot in tc else None))
-        except Exception as e:
-            log(f"  scorer benchmark failed: {type(e).__name__}: {e}")
+    if scorer:
+        from . import bench_scorer
+        tc = tensor_core_ceilings()
+        log("tensor-core ceilings (dense 8192^3 products): " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()))
+        scorer_rows = bench_scorer.run([b for b in backends if b != "reference"], bw, tc.get("fp8"), log=log)
     return dict(copy_gb_s=bw, device=torch.cuda.get_device_name(), rows=rows, scorer=scorer_rows,
                 tensor_core_tflops=tc)
 
@@ -226,15 +214,11 @@ def format_table(res) -> str:
         out.append(f"| {r['op']} | {r['tokens']} | {r['backend']} | {r['us']:.2f} | {r['gb_s']:.0f} | "
                    f"{r['pct_copy']:.1f} | {r['timing']} |")
     if res["scorer"]:
+        from . import bench_scorer
         tc = res.get("tensor_core_tflops") or {}
         out += ["", "tensor-core ceilings (dense 8192^3 products, same run): "
-                + (", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()) or "not measured"), "",
-                "| scorer | batch | next_n | context | backend | median µs | GB/s | % copy | TFLOP/s | dot | % of dot ceiling |",
-                "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"]
-        for r in res["scorer"]:
-            pct = f"{r['pct_tc']:.1f}" if r.get("pct_tc") is not None else "-"
-            out.append(f"| {r['op']} | {r['batch']} | {r['next_n']} | {r['context']} | {r['backend']} | {r['us']:.1f} | "
-                       f"{r['gb_s']:.0f} | {r['pct_copy']:.1f} | {r['tflops']:.1f} | {r.get('dot', '-')} | {pct} |")
+                + (", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()) or "not measured"), ""]
+        out += bench_scorer.format_rows(res["scorer"])
     return "\n".join(out)
 
 
@@ -245,14 +229,17 @@ def main(argv=None):
     p.add_argument("--backends", default=None, help="comma list (default: every available GPU backend)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
+    p.add_argument("--no-scorer", action="store_true", help="skip the decode scorer rows")
+    p.add_argument("--no-writers", action="store_true", help="skip the writer rows (indexer, k writers, V4 ops)")
     p.add_argument("--no-v4", action="store_true",
                    help="skip the DeepSeek-V4 rows (compress_kv decode/prefill, rope_rotate_quant T=8192 H=64)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA/ROCm GPU (none found); nothing to time")
         return
-    res = run(tuple(int(t) for t in a.tokens.split(",")), a.heads, a.backends.split(",") if a.backends else None,
-              v4=not a.no_v4)
+    tokens = () if a.no_writers else tuple(int(t) for t in a.tokens.split(","))
+    res = run(tokens, a.heads, a.backends.split(",") if a.backends else None, v4=not (a.no_v4 or a.no_writers),
+              scorer=not a.no_scorer)
     table = format_table(res)
     print(table)
     if a.json:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -326,34 +328,40 @@ def rmsnorm_rope_rotate_fp4quant_kvcache(kv, norm_weight, epsilon, positions, co
 # ------------------------------------------------------------------------------------------------
 # §7.4 scorer
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::paged_mqa_logits", mutates_args=())
+@torch.library.custom_op("dsaquant::paged_mqa_logits", mutates_args=("out",))
 def _scorer_op(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_tables: Tensor,
                max_seq_len: int, layout: str, q_scale: Optional[Tensor], kv_cache_scale: Optional[Tensor],
-               weight_scale: float, preshuffle: bool, fp8_flavour: str, page_size: int, backend: str) -> Tensor:
-    return _call("paged_mqa_logits", backend, q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout,
-                 q_scale, kv_cache_scale, weight_scale, preshuffle, fp8_flavour, page_size)
+               weight_scale: float, preshuffle: bool, fp8_flavour: str, page_size: int, clean_logits: bool,
+               out: Tensor, backend: str) -> None:
+    _call("paged_mqa_logits", backend, q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout,
+          q_scale, kv_cache_scale, weight_scale, preshuffle, fp8_flavour, page_size, clean_logits, out)
 
 
 @_scorer_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_tables, max_seq_len, *args):
-    return q.new_empty((q.shape[0] * q.shape[1], max_seq_len), dtype=torch.float32)
+def _(*args):
+    return None
 
 
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_len, *, layout, q_scale=None,
-                     kv_cache_scale=None, weight_scale=1.0, preshuffle=False, fp8_flavour=None, backend=None):
-    """Indexer logits over a paged cache (SPEC §7.4), the reader of every §6 layout.
+                     kv_cache_scale=None, weight_scale=1.0, preshuffle=False, fp8_flavour=None, clean_logits=True,
+                     logits_dtype=torch.float32, out=None, backend=None):
+    """Indexer logits over a paged cache (SPEC §7.4), the reader of every §6 layout (docs/scorer.md).
 
     logits[b*N + n, p] = weight_scale * sum_h weights[b, n, h] * relu(sum_d q[b, n, h, d] * k[p, d]) for
-    p < context length, -inf for p >= it; q and k dequantized (value times scale). Returns fp32
-    [B*N, max_seq_len]. B batch, N = next_n queries per sequence (1..4), H heads.
+    p < len(b, n), -inf for p >= it (left untouched with clean_logits=False); q and k dequantized (value
+    times scale). B batch, N = next_n queries per sequence (1..8), H heads (16, 32, 64 or 128 on the fast paths).
       layout "fp8_132":  q [B, N, H, 128] fp8 or uint8 (q's scale folded into weights, as §7.1 writes it);
                           kv_cache uint8 [NB, P*132]; `preshuffle` as written.
       layout "packed68": q uint8 [B, N, H, 64]; q_scale int32 [B, N, H] (block j in byte j) or uint8
                           [B, N, H, 4]; kv_cache uint8 [NB, P*68].
       layout "aiter_fp4": q uint8 [B, N, H, 64]; q_scale uint8 [B*N, 1, 4, 16, qs_pad];
                           kv_cache uint8 [NB, 1, 4, P, 16]; kv_cache_scale uint8 [NB, 1, 4, P].
-    weights [B*N, H] or [B, N, H] float; context_lens [B] (every query of a sequence sees the same
-    length) or [B, N] int32/int64; block_tables [B, max_blocks] int32/int64 (page ids).
+    weights [B*N, H] or [B, N, H], fp32 or bf16; context_lens int32/int64 [B] (every query of a sequence
+    sees the same length) or [B, N]; lengths are clamped to [0, max_seq_len]. block_tables int32/int64
+    [B, max_blocks] (page ids). A context position whose page cannot be found (past the table, or an
+    entry outside [0, num_blocks)) is not read: its logit is -inf and check_errors() reports it.
+    Returns `out` (allocated when None): [B*N, max_seq_len] of logits_dtype (fp32 or bf16), rows may be
+    strided (last dim contiguous).
     """
     V.choice("layout", layout, LAYOUTS)
     V.tensor("q", q, (torch.uint8, *V.FP8_DTYPES), None, contiguous=True)
@@ -398,12 +406,22 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_l
     V.tensor("block_tables", block_tables, V.INDEX, (B, None), dev)
     V.number("max_seq_len", max_seq_len, (int,))
     V.number("weight_scale", weight_scale)
+    if not math.isfinite(weight_scale):
+        raise ValueError(f"weight_scale: expected a finite number, got {weight_scale}")
     V.flag("preshuffle", preshuffle)
     if max_seq_len < 0:
         raise ValueError(f"max_seq_len: expected >= 0, got {max_seq_len}")
+    V.flag("clean_logits", clean_logits)
+    if logits_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"logits_dtype: expected torch.float32 or torch.bfloat16, got {logits_dtype}")
+    if out is None:
+        out = torch.empty((B * N, max_seq_len), dtype=logits_dtype, device=dev)
+    else:
+        V.tensor("out", out, (logits_dtype,), (B * N, max_seq_len), dev, last_contiguous=True)
     name = dispatch.choose("paged_mqa_logits", dev, backend)
-    return _scorer_op(q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout, q_scale,
-                      kv_cache_scale, float(weight_scale), preshuffle, flavour, P, name)
+    _scorer_op(q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout, q_scale, kv_cache_scale,
+               float(weight_scale), preshuffle, flavour, P, bool(clean_logits), out, name)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -330,3 +330,13 @@ def compress_special_values(a: dict, n0: int) -> dict:
     ss[:, :, 27] = float("-inf")
     ss[:, 1, 29] = float("nan")
     return dict(a, kv=kv.to(a["kv"].dtype), score=sc.to(a["score"].dtype), state_score=ss)
+
+
+def run_scorer(fn, *args, clean_logits=True, logits_dtype=None, **knobs):
+    """Call a backend's paged_mqa_logits `fn` with the reference's 13 leading positional arguments (q ...
+    page_size) into a fresh [B*N, max_seq_len] output (fp32 unless `logits_dtype`), and return it."""
+    import torch
+    q, max_seq_len = args[0], args[5]
+    out = torch.empty((q.shape[0] * q.shape[1], max_seq_len), dtype=logits_dtype or torch.float32, device=q.device)
+    fn(*args, clean_logits, out, **knobs)
+    return out

@@ -12,6 +12,7 @@ import torch
 
 from dsaquant import dispatch, ops, testing as tt
 from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
+from dsaquant.testing import run_scorer
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -54,7 +55,7 @@ def magnitude(args):
             kva[:, :P * 64] &= 0x77
         else:
             kva &= 0x77
-    return ref_scorer(qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
+    return run_scorer(ref_scorer, qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
 
 
 def _case(S, layout, H, N, seed, flavour="e4m3fn", preshuffle=False, int32_exps=False, B=8, L=4096):
@@ -96,13 +97,13 @@ def test_relative_error_vs_reference(layout, variant, N, shape):
     native = layout == "fp8_132" and knobs.get("fp8_dot", S.native_fp8_for(DEV, flavour))
     tol = S.TOL_NATIVE_FP8 if native else S.TOL_EXACT_PRODUCTS
     if knobs:
-        out = S.paged_mqa_logits(*args, **knobs)
+        out = run_scorer(S.paged_mqa_logits, *args, **knobs)
     else:   # through the public op
         q, kv, w, ctx, tables, L, lay, qs, ks, ws, pre, fl, P = args
         out = ops.paged_mqa_logits(q, kv, w, ctx, tables, L, layout=lay, q_scale=qs, kv_cache_scale=ks,
                                    weight_scale=ws, preshuffle=pre, fp8_flavour=fl if lay == "fp8_132" else None,
                                    backend="triton")
-    ref = ref_scorer(*args)
+    ref = run_scorer(ref_scorer, *args)
     torch.cuda.synchronize()
     assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf positions differ"
     fin = torch.isfinite(ref)
@@ -152,7 +153,7 @@ def _demo_logits(H, T, queries, backend_scorer):
             if layout == "fp8_132" and backend_scorer == "triton":
                 # the same bytes through the scorer's fp32 dot (no FP8 tensor-core MMA): the reference's math
                 from dsaquant.triton import scorer as S
-                exact = S.paged_mqa_logits(q, a["kv_cache"], a["weights_out"][rows], ctx, tables, T, layout, None,
+                exact = run_scorer(S.paged_mqa_logits, q, a["kv_cache"], a["weights_out"][rows], ctx, tables, T, layout, None,
                                            None, 1.0, a["preshuffle"], "e4m3fn", 64, fp8_dot=False)
                 yield "fp8_132 (fp32 dot)", ref, exact.view_as(ref), truth
 

@@ -193,6 +193,15 @@ def make_ops(mod):
 def register_compiled(backend: str, mod) -> None:
     for name, fn in make_ops(mod).items():
         register(backend, name, fn)
+    path = getattr(mod, "__file__", None)
+    if backend == "cuda" and path:   # the decode scorer's C ABI (backends/scorer.py)
+        import os
+
+        from .scorer import load, make_paged_mqa_logits
+        lib = load(path)
+        if lib is not None:
+            splits = int(os.environ.get("DSAQUANT_SCORER_SPLITS", "0"))
+            register(backend, "paged_mqa_logits", make_paged_mqa_logits(lib, splits))
 
 
 def load_and_register(backend: str, module: str, plugin: str, how: str) -> None:

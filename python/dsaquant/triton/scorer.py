@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import errors
 from ..reference.layouts import aiter_q_scale_pad
 
 LAYOUT_IDS = {"fp8_132": 0, "packed68": 1, "aiter_fp4": 2}
@@ -121,13 +122,13 @@ def _to_dot_operand(x, DOT_F32: tl.constexpr):
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _paged_mqa_logits_kernel(
-    q_ptr, qs_ptr, w_ptr, ctx_ptr, bt_ptr, kv_ptr, kvf_ptr, ks_ptr, out_ptr,
+    q_ptr, qs_ptr, w_ptr, ctx_ptr, bt_ptr, kv_ptr, kvf_ptr, ks_ptr, out_ptr, err_ptr,
     num_pages, nblk, max_seq_len, tiles_per_prog, weight_scale,
-    stride_wt, stride_wh, stride_cb, stride_cn, stride_bb, stride_bk,
+    stride_wt, stride_wh, stride_cb, stride_cn, stride_bb, stride_bk, stride_out,
     N: tl.constexpr, NG: tl.constexpr, H: tl.constexpr, NHP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, PRESHUFFLE: tl.constexpr, FP8_NATIVE: tl.constexpr,
     FNUZ: tl.constexpr, QS_PAD: tl.constexpr, DOT_F32: tl.constexpr, IMPRECISE: tl.constexpr,
-    STATIC_TILES: tl.constexpr,
+    STATIC_TILES: tl.constexpr, CLEAN: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     sp = tl.program_id(1)
@@ -179,11 +180,12 @@ def _paged_mqa_logits_kernel(
     if STATIC_TILES == 0:
         for t in range(t_begin, t_ctx):
             _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride_cn, bt_ptr, stride_bb,
-                        stride_bk, kv_ptr, kvf_ptr, ks_ptr, out_ptr, num_pages, nblk, max_seq_len, ctx_max,
-                        weight_scale, N, NG, PAGE, BLOCK_KV, LAYOUT, PRESHUFFLE, FP8_NATIVE, FNUZ, DOT_F32,
-                        IMPRECISE)
+                        stride_bk, kv_ptr, kvf_ptr, ks_ptr, out_ptr, err_ptr, stride_out, num_pages, nblk,
+                        max_seq_len, ctx_max, weight_scale, N, NG, PAGE, BLOCK_KV, LAYOUT, PRESHUFFLE, FP8_NATIVE,
+                        FNUZ, DOT_F32, IMPRECISE, CLEAN, OUT_BF16)
         for t in range(tl.maximum(t_begin, t_ctx), t_end):   # past the context: -inf only, no cache read
-            _fill_tile(t, n0, b64, out_ptr, max_seq_len, N, NG, BLOCK_KV)
+            if CLEAN:
+                _fill_tile(t, n0, b64, out_ptr, stride_out, max_seq_len, N, NG, BLOCK_KV, OUT_BF16)
     else:
         # the same loops with a constexpr trip count and a branch: the interpreter cannot run loops with
         # tensor bounds under numpy >= 2.4 (int() of a 1-element array)
@@ -191,38 +193,45 @@ def _paged_mqa_logits_kernel(
             t = t_begin + i
             if t < t_ctx:
                 _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride_cn, bt_ptr,
-                            stride_bb, stride_bk, kv_ptr, kvf_ptr, ks_ptr, out_ptr, num_pages, nblk, max_seq_len,
-                            ctx_max, weight_scale, N, NG, PAGE, BLOCK_KV, LAYOUT, PRESHUFFLE, FP8_NATIVE, FNUZ,
-                            DOT_F32, IMPRECISE)
+                            stride_bb, stride_bk, kv_ptr, kvf_ptr, ks_ptr, out_ptr, err_ptr, stride_out, num_pages,
+                            nblk, max_seq_len, ctx_max, weight_scale, N, NG, PAGE, BLOCK_KV, LAYOUT, PRESHUFFLE,
+                            FP8_NATIVE, FNUZ, DOT_F32, IMPRECISE, CLEAN, OUT_BF16)
             else:
-                if t < t_end:
-                    _fill_tile(t, n0, b64, out_ptr, max_seq_len, N, NG, BLOCK_KV)
+                if CLEAN and t < t_end:
+                    _fill_tile(t, n0, b64, out_ptr, stride_out, max_seq_len, N, NG, BLOCK_KV, OUT_BF16)
 
 
 @triton.jit
-def _fill_tile(t, n0, b64, out_ptr, max_seq_len, N: tl.constexpr, NG: tl.constexpr, BLOCK_KV: tl.constexpr):
+def _fill_tile(t, n0, b64, out_ptr, stride_out, max_seq_len, N: tl.constexpr, NG: tl.constexpr,
+               BLOCK_KV: tl.constexpr, OUT_BF16: tl.constexpr):
     p = t * BLOCK_KV + tl.arange(0, BLOCK_KV)
     ninf = tl.full((BLOCK_KV,), float("-inf"), tl.float32)
+    if OUT_BF16:
+        ninf = ninf.to(tl.bfloat16)
     for i in tl.static_range(NG):
         n = n0 + i
-        tl.store(out_ptr + (b64 * N + n) * max_seq_len + p, ninf, mask=(p < max_seq_len) & (n < N))
+        tl.store(out_ptr + (b64 * N + n) * stride_out + p, ninf, mask=(p < max_seq_len) & (n < N))
 
 
 @triton.jit
 def _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride_cn, bt_ptr, stride_bb,
-                stride_bk, kv_ptr, kvf_ptr, ks_ptr, out_ptr, num_pages, nblk, max_seq_len, ctx_max, weight_scale,
-                N: tl.constexpr, NG: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr,
-                PRESHUFFLE: tl.constexpr, FP8_NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
-                IMPRECISE: tl.constexpr):
+                stride_bk, kv_ptr, kvf_ptr, ks_ptr, out_ptr, err_ptr, stride_out, num_pages, nblk, max_seq_len,
+                ctx_max, weight_scale, N: tl.constexpr, NG: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, PRESHUFFLE: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                FNUZ: tl.constexpr, DOT_F32: tl.constexpr, IMPRECISE: tl.constexpr, CLEAN: tl.constexpr,
+                OUT_BF16: tl.constexpr):
     """Logits of positions [t*BLOCK_KV, (t+1)*BLOCK_KV) of sequence b for its queries n0 .. n0+NG-1."""
     p = t * BLOCK_KV + tl.arange(0, BLOCK_KV)                          # int32 positions
-    p_ok = (p < ctx_max) & (nblk > 0)
-    blk = tl.minimum(p // PAGE, nblk - 1)
-    page = tl.load(bt_ptr + b64 * stride_bb + blk.to(tl.int64) * stride_bk, mask=p_ok, other=0).to(tl.int64)
+    blk = p // PAGE
+    in_ctx = p < ctx_max
+    page = tl.load(bt_ptr + b64 * stride_bb + blk.to(tl.int64) * stride_bk, mask=in_ctx & (blk < nblk),
+                   other=-1).to(tl.int64)
+    found = (page >= 0) & (page < num_pages)                           # else: not read, -inf, flagged
+    if tl.max(tl.where(in_ctx & (page < 0) | in_ctx & (page >= num_pages), 1, 0), axis=0) > 0:
+        tl.atomic_or(err_ptr, 4)                                       # errors.PAGE_OUT_OF_RANGE
+    p_ok = in_ctx & found
+    page = tl.where(found, page, 0)
     o = p % PAGE
-    bad = (page < 0) | (page >= num_pages)                             # the reference reads slot 0
-    page = tl.where(bad, 0, page)
-    o = tl.where(bad, 0, o)
 
     if LAYOUT == 0:
         d = tl.arange(0, 128)
@@ -276,8 +285,13 @@ def _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride
         n = n0 + i
         logit = tl.sum(tl.where((n_of_r == n)[None, :], v, 0.0), axis=1) * weight_scale
         ctx_n = tl.load(ctx_ptr + b64 * stride_cb + n * stride_cn, mask=n < N, other=0)
-        logit = tl.where(p < ctx_n, logit, float("-inf"))
-        tl.store(out_ptr + (b64 * N + n) * max_seq_len + p, logit, mask=p_out & (n < N))
+        logit = tl.where((p < ctx_n) & found, logit, float("-inf"))
+        if OUT_BF16:
+            logit = logit.to(tl.bfloat16)
+        mask = p_out & (n < N)
+        if not CLEAN:
+            mask = mask & (p < ctx_n)
+        tl.store(out_ptr + (b64 * N + n) * stride_out + p, logit, mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,7 +335,8 @@ def native_fp8_for(device: torch.device, fp8_flavour: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def kernel_constexprs(layout: str, N: int, H: int, page_size: int, *, preshuffle: bool = False,
                       fp8_native: bool = False, fnuz: bool = False, block_kv: int = BLOCK_KV_DEFAULT,
-                      dot_f32: bool = False, imprecise: int | None = None, static_tiles: int = 0) -> dict:
+                      dot_f32: bool = False, imprecise: int | None = None, static_tiles: int = 0,
+                      clean: bool = True, out_bf16: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (shared by the launcher and AOT tests)."""
     if layout not in LAYOUT_IDS:
         raise ValueError(f"layout: expected one of {tuple(LAYOUT_IDS)}, got {layout!r}")
@@ -337,7 +352,7 @@ def kernel_constexprs(layout: str, N: int, H: int, page_size: int, *, preshuffle
                 LAYOUT=LAYOUT_IDS[layout], PRESHUFFLE=bool(preshuffle and fp8), FP8_NATIVE=bool(fp8_native and fp8),
                 FNUZ=bool(fnuz and fp8), QS_PAD=aiter_q_scale_pad(H) if layout == "aiter_fp4" else 1,
                 DOT_F32=bool(dot_f32), IMPRECISE=32 if imprecise is None else int(imprecise),
-                STATIC_TILES=int(static_tiles))
+                STATIC_TILES=int(static_tiles), CLEAN=bool(clean), OUT_BF16=bool(out_bf16))
 
 
 def queries_per_program(N: int, H: int) -> int:
@@ -367,16 +382,16 @@ def _tiles_per_prog(B: int, groups: int, num_tiles: int, q_bytes: int, tile_byte
 
 
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout, q_scale,
-                     kv_cache_scale, weight_scale, preshuffle, fp8_flavour, page_size, *, fp8_dot=None,
-                     block_kv=BLOCK_KV_DEFAULT, tiles_per_prog=None, num_warps=None, num_stages=None):
+                     kv_cache_scale, weight_scale, preshuffle, fp8_flavour, page_size, clean_logits, out, *,
+                     fp8_dot=None, block_kv=BLOCK_KV_DEFAULT, tiles_per_prog=None, num_warps=None, num_stages=None):
     """The Triton backend of dsaquant.ops.paged_mqa_logits (same positional arguments as the reference;
-    the arguments are validated there). Keyword-only tuning knobs: `fp8_dot` (None: native fp8 dot where
-    the device has it; True/False forces it), `block_kv`, `tiles_per_prog`, `num_warps`, `num_stages`."""
+    the arguments are validated there); writes `out` and returns it. Keyword-only tuning knobs: `fp8_dot`
+    (None: native fp8 dot where the device has it; True/False forces it), `block_kv`, `tiles_per_prog`,
+    `num_warps`, `num_stages`."""
     B, N, H = q.shape[:3]
     dev = q.device
     L = int(max_seq_len)
-    out = torch.empty((B * N, L), dtype=torch.float32, device=dev)
-    if B == 0 or L == 0:
+    if B * N == 0 or L == 0:
         return out
     fp8_flavour = fp8_flavour or "e4m3fn"
     fnuz = layout == "fp8_132" and fp8_flavour == "e4m3fnuz"
@@ -391,7 +406,8 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_l
                                          block_kv * (132 if fp8 else 68), dev)
     tpp = int(tiles_per_prog)
     cx = kernel_constexprs(layout, N, H, P, preshuffle=bool(preshuffle), fp8_native=native, fnuz=fnuz,
-                           block_kv=block_kv, dot_f32=interp, static_tiles=tpp if interp else 0)
+                           block_kv=block_kv, dot_f32=interp, static_tiles=tpp if interp else 0,
+                           clean=bool(clean_logits), out_bf16=out.dtype == torch.bfloat16)
 
     # the op validated contiguity; only dtypes are reinterpreted here (no copies)
     q_u8 = q if q.dtype == torch.uint8 else q.view(torch.uint8)
@@ -418,9 +434,9 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_l
     if num_stages is not None:
         opts["num_stages"] = num_stages
     _paged_mqa_logits_kernel[grid](
-        q_u8, qs, w, ctx, bt, kv_u8, kvf, ks, out,
+        q_u8, qs, w, ctx, bt, kv_u8, kvf, ks, out, errors.flag_tensor(dev),
         num_pages, nblk, L, tpp, float(weight_scale),
-        w.stride(0), w.stride(1), scb, scn, bt.stride(0), bt.stride(1),
+        w.stride(0), w.stride(1), scb, scn, bt.stride(0), bt.stride(1), out.stride(0),
         **cx, **opts)
     return out
 
@@ -437,9 +453,9 @@ def aot_signature(layout: str, ctx_dtype: str = "i32", bt_dtype: str = "i32", w_
         "q_ptr": "*u8", "qs_ptr": "*i32" if layout == "packed68" else "*u8", "w_ptr": f"*{w_dtype}",
         "ctx_ptr": f"*{ctx_dtype}", "bt_ptr": f"*{bt_dtype}", "kv_ptr": "*u8",
         "kvf_ptr": {"fp8_132": "*fp32", "packed68": "*i32"}.get(layout, "*u8"), "ks_ptr": "*u8", "out_ptr": "*fp32",
-        "num_pages": "i32", "nblk": "i32", "max_seq_len": "i32", "tiles_per_prog": "i32", "weight_scale": "fp32",
-        "stride_wt": "i32", "stride_wh": "i32", "stride_cb": "i32", "stride_cn": "i32", "stride_bb": "i32",
-        "stride_bk": "i32",
+        "err_ptr": "*i32", "num_pages": "i32", "nblk": "i32", "max_seq_len": "i32", "tiles_per_prog": "i32",
+        "weight_scale": "fp32", "stride_wt": "i32", "stride_wh": "i32", "stride_cb": "i32", "stride_cn": "i32",
+        "stride_bb": "i32", "stride_bk": "i32", "stride_out": "i32",
     }
 
 
@@ -526,10 +542,12 @@ def bench_scorer(layout: str, B: int, N: int, H: int, ctx: int, page_size: int =
     flavour = a.pop("fp8_flavour", "e4m3fn")
     pre = a.pop("preshuffle", False)
 
+    out = torch.empty((B * N, ctx), dtype=torch.float32, device="cuda")
+
     def fn():
         return paged_mqa_logits(a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_tables"],
                                 a["max_seq_len"], layout, a.get("q_scale"), a.get("kv_cache_scale"), a["weight_scale"],
-                                pre, flavour, page_size, **knobs)
+                                pre, flavour, page_size, True, out, **knobs)
 
     fn()                                   # compile
     torch.cuda.synchronize()

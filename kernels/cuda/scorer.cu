@@ -1,0 +1,567 @@
+// scorer.cu: paged MQA logits (SPEC §7.4) on sm_90a FP8 tensor cores, for the fp8_132, packed68 and
+// aiter_fp4 layouts (SPEC §6).
+//
+// logits[b*N + n, p] = weight_scale * sum_h w[b*N + n, h] * relu(q[b, n, h, :] . k[p, :])
+// for p < len(b, n), with q and k dequantized. One CTA = one warpgroup (128 threads) owns sequence b,
+// a group of NQ queries (the wgmma N side is NT = NQ * H query rows) and a range of 64-position tiles
+// of the context (a split: small batches still fill every SM). Per tile:
+//   * cp.async copies the tile's keys (kStages deep) into shared memory, in the 128-byte swizzle that
+//     wgmma reads; positions past the context or whose page is out of range are zero-filled, never read;
+//   * FP4 layouts: the packed E2M1 codes are expanded to e4m3 on chip. Every E2M1 value is exact in
+//     e4m3; a row's four UE8M0 block exponents are folded into the values relative to the row's largest
+//     (value * 2^(6 - (emax - e))): exact while a row's exponents span at most 14 binades (the usual
+//     case by far; beyond that the small blocks round to e4m3 subnormals), and the row keeps one
+//     power-of-two scale 2^(emax - 133), the role the fp32 scale plays in fp8_132. q rows get the same
+//     treatment once per CTA; their scale is folded into the head weights;
+//   * four m64nNTk32 wgmma (K = 128) into fp32 registers, then the epilogue in registers: times the row
+//     scale, relu (NaN kept), times the head weight, summed over the heads of each query (in-thread,
+//     then across the four lanes of a row), times weight_scale, stored; -inf past the context.
+// No host synchronisation: the work split depends on the shapes and max_seq_len only, so one captured
+// CUDA graph serves any context lengths.
+//
+// Accuracy: the products are exact, the tensor cores' fp32 accumulation of the 128 products is not
+// IEEE-ordered, so logits differ from the reference by summation error (docs/scorer.md has the bound).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+#include "dsaquant/layouts.h"
+#include "scorer.h"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTile = 64;          // KV positions per tile: the wgmma M side
+constexpr int kStages = 4;         // cp.async pipeline depth
+constexpr int kPageOutOfRange = 4; // python/dsaquant/errors.py PAGE_OUT_OF_RANGE
+constexpr int kFoldShift = 6;      // E2M1 values are scaled by up to 2^6 (6 * 64 = 384 <= 448)
+
+// Shared memory of one CTA, in bytes from a 1024-aligned base.
+struct SmemPlan {
+  int q, k, kexp, raw, scales, rowscale, w, pages, total;
+};
+__host__ __device__ inline SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
+  SmemPlan s{};
+  s.q = 0;
+  s.k = nt * 128;                                      // a multiple of 1024 (nt >= 16)
+  if (fp4) {
+    s.kexp = s.k;                                      // one expanded 64 x 128 e4m3 tile
+    s.raw = s.kexp + kTile * 128;                      // kStages x 64 x 64 payload bytes
+    s.scales = s.raw + kStages * kTile * 64;           // kStages x 512 exponent bytes
+    s.rowscale = s.scales + kStages * 512;             // 64 fp32 row scales
+    s.w = s.rowscale + kTile * 4;
+  } else {
+    s.kexp = s.raw = s.rowscale = 0;
+    s.scales = s.k + kStages * kTile * 128;            // kStages x 64 fp32 scales
+    s.w = s.scales + kStages * kTile * 4;
+  }
+  s.pages = s.w + nt * 4;
+  s.total = s.pages + n_pages * 4;
+  return s;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy shared-memory writes (cp.async, st.shared) made visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int dtype) {
+  return dtype == 4 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+__device__ __forceinline__ float load_float(const void* p, int64_t i, int dtype) {
+  if (dtype == 1) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  return static_cast<const float*>(p)[i];
+}
+
+// ---- FP4 -> e4m3 expansion ---------------------------------------------------------------------
+// Two fp32 values -> two e4m3fn bytes (a in the low byte), round to nearest even, saturating.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float a, float b) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(r) : "f"(a), "f"(b));
+  return r;
+}
+// The e4m3 codes of the eight E2M1 magnitudes times 2^t (t <= 6), as a prmt table (lo: m = 0..3).
+// A zero-exponent block (scale 0) gets the all-zero table.
+__device__ __forceinline__ void e2m1_table(int e, int emax, uint32_t& lo, uint32_t& hi) {
+  const int t = max(kFoldShift - (emax - e), -40);
+  const float s = e == 0 ? 0.f : __uint_as_float(static_cast<uint32_t>(t + 127) << 23);
+  lo = cvt_e4m3x2(0.f, 0.5f * s) | (cvt_e4m3x2(s, 1.5f * s) << 16);
+  hi = cvt_e4m3x2(2.f * s, 3.f * s) | (cvt_e4m3x2(4.f * s, 6.f * s) << 16);
+}
+// Eight packed E2M1 codes (SPEC §1: element 2i in the low nibble of byte i) -> eight e4m3 bytes.
+__device__ __forceinline__ uint2 expand8(uint32_t w, uint32_t lo, uint32_t hi) {
+  uint2 r;
+  r.x = __byte_perm(lo, hi, w & 0x7777u) | __byte_perm(0x8000u, 0u, (w >> 3) & 0x1111u);
+  r.y = __byte_perm(lo, hi, (w >> 16) & 0x7777u) | __byte_perm(0x8000u, 0u, (w >> 19) & 0x1111u);
+  return r;
+}
+// One 32-value block (16 packed bytes) -> 32 e4m3 bytes (two 16-byte chunks).
+__device__ __forceinline__ void expand_block(uint4 raw, uint32_t lo, uint32_t hi, uint4& c0, uint4& c1) {
+  const uint2 a = expand8(raw.x, lo, hi), b = expand8(raw.y, lo, hi), c = expand8(raw.z, lo, hi),
+              d = expand8(raw.w, lo, hi);
+  c0 = make_uint4(a.x, a.y, b.x, b.y);
+  c1 = make_uint4(c.x, c.y, d.x, d.y);
+}
+// The scale a row keeps after folding: 2^(emax - 127 - kFoldShift) from bits; 0 for an all-zero-scale
+// row, NaN when a block has the NaN scale 255 (SPEC §3).
+__device__ __forceinline__ float fold_scale(int emax) {
+  if (emax == 255) return __uint_as_float(0x7FC00000u);
+  if (emax == 0) return 0.f;
+  const int e = emax - kFoldShift;
+  return e >= 1 ? __uint_as_float(static_cast<uint32_t>(e) << 23) : __uint_as_float(1u << (e + 22));
+}
+__device__ __forceinline__ int max4(uint32_t e) {
+  return max(max(static_cast<int>(e & 255), static_cast<int>((e >> 8) & 255)),
+             max(static_cast<int>((e >> 16) & 255), static_cast<int>(e >> 24)));
+}
+// 128 e4m3 bytes of one row into a swizzled 128-byte row of shared memory.
+__device__ __forceinline__ void store_chunk(uint8_t* tile, int row, int c, uint4 v) {
+  *reinterpret_cast<uint4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v;
+}
+// Four packed E2M1 blocks (64 bytes) with exponents e (block j in byte j) -> a swizzled e4m3 row;
+// returns the row's scale.
+__device__ __forceinline__ float expand_row(const uint4 (&raw)[4], uint32_t e, uint8_t* tile, int row) {
+  const int emax = max4(e);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t lo, hi;
+    e2m1_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
+    uint4 c0, c1;
+    expand_block(raw[j], lo, hi, c0, c1);
+    store_chunk(tile, row, 2 * j, c0);
+    store_chunk(tile, row, 2 * j + 1, c1);
+  }
+  return fold_scale(emax);
+}
+
+struct Geometry {
+  int P, p_shift;  // page size; log2(P) when P is a power of two, else -1
+  __device__ __forceinline__ int page_of(int p) const { return p_shift >= 0 ? p >> p_shift : p / P; }
+  __device__ __forceinline__ int in_page(int p) const { return p_shift >= 0 ? p & (P - 1) : p % P; }
+};
+
+template <int H, int NQ, bool FP4>
+__global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLogitsArgs a, int tiles_per_cta,
+                                                                 int n_pages, int p_shift) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int NT = H * NQ;
+  using Mma = dsq_wgmma::MmaE4M3<NT>;
+  constexpr int kRegs = Mma::kRegs;
+  extern __shared__ uint8_t dyn_smem[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(dyn_smem) + 1023) & ~uintptr_t(1023));
+  const SmemPlan plan = smem_plan(NT, FP4, n_pages);
+  uint8_t* sq = smem + plan.q;
+  float* sw = reinterpret_cast<float*>(smem + plan.w);
+  int* spages = reinterpret_cast<int*>(smem + plan.pages);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.x, group = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const Geometry geo{static_cast<int>(a.page_size), p_shift};
+  const int P = geo.P;
+  const int max_seq = static_cast<int>(a.max_seq_len);
+
+  // ---- this CTA's queries and their context lengths (clamped to [0, max_seq_len]) ----------------
+  int len[NQ];
+  bool valid[NQ];
+  int ctx_max = 0;
+#pragma unroll
+  for (int qi = 0; qi < NQ; ++qi) {
+    const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+    valid[qi] = n < a.N;
+    int64_t c = valid[qi] ? load_index(a.context_lens, b * a.ctx_b + n * a.ctx_n, a.ctx_dtype) : 0;
+    c = c < 0 ? 0 : (c > max_seq ? max_seq : c);
+    len[qi] = static_cast<int>(c);
+    ctx_max = max(ctx_max, len[qi]);
+  }
+  const int n_tiles_all = (max_seq + kTile - 1) / kTile;
+  const int t0 = split * tiles_per_cta;
+  const int t1 = min(t0 + tiles_per_cta, n_tiles_all);
+  if (t0 >= t1) return;
+  const int tc = max(t0, min((ctx_max + kTile - 1) / kTile, t1));   // tiles [t0, tc) read keys
+
+  // ---- the pages of [t0*64, min(tc*64, ctx_max)) into shared memory (-1: out of range) -----------
+  const int e0 = geo.page_of(t0 * kTile);
+  const int read_end = min(tc * kTile, ctx_max);
+  const int e1 = read_end > t0 * kTile ? geo.page_of(read_end - 1) + 1 : e0;
+  for (int e = e0 + tid; e < e1; e += kThreads) {
+    int64_t pg = e < a.max_blocks ? load_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype)
+                                  : -1;
+    if (pg < 0 || pg >= a.num_blocks) {
+      pg = -1;
+      atomicOr(a.err_flag, kPageOutOfRange);
+    }
+    spages[e - e0] = static_cast<int>(pg);
+  }
+
+  // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per CTA ---------------------------
+  if constexpr (!FP4) {
+    for (int i = tid; i < NT * 8; i += kThreads) {
+      const int r = i >> 3, c = i & 7, qi = r / H, h = r % H;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (static_cast<int64_t>(group) * NQ + qi < a.N) {
+        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * H + h;
+        v = *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + row * 128 + c * 16);
+      }
+      store_chunk(sq, r, c, v);
+    }
+    for (int r = tid; r < NT; r += kThreads) {
+      const int qi = r / H, h = r % H;
+      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+      sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
+    }
+  } else {
+    for (int r = tid; r < NT; r += kThreads) {
+      const int qi = r / H, h = r % H;
+      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+      uint4 raw[4] = {};
+      uint32_t e = 0;
+      float w = 0.f;
+      if (n < a.N) {
+        const int64_t t = b * a.N + n, row = t * H + h;
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + row * 64);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) raw[j] = src[j];
+        const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
+        if (a.layout == DSQ_SCORER_PACKED68) {
+          e = *reinterpret_cast<const uint32_t*>(qs + row * 4);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) e |= static_cast<uint32_t>(qs[dsq::aiter_q_scale_offset(t, h, j, H)]) << (8 * j);
+        }
+        w = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
+      }
+      const float s = expand_row(raw, e, sq, r);
+      sw[r] = n < a.N ? w * s : 0.f;
+    }
+  }
+
+  uint8_t* sk = smem + plan.k;
+  float* sscale = reinterpret_cast<float*>(smem + plan.scales);
+  uint8_t* sraw = smem + plan.raw;
+  uint8_t* sexp = smem + plan.scales;
+  float* srow = reinterpret_cast<float*>(smem + plan.rowscale);
+  const uint8_t* kv = a.kv_cache;
+  __syncthreads();   // spages, q, weights
+
+  // Page id of position p (>= 0), or -1 (out of range, past the context, or past the table).
+  auto page_at = [&](int p) -> int { return p < read_end ? spages[geo.page_of(p) - e0] : -1; };
+
+  // ---- copies of tile t into stage s -------------------------------------------------------------
+  auto issue = [&](int t, int s) {
+    const int base = t * kTile;
+    if constexpr (!FP4) {
+      uint8_t* dst_tile = sk + s * (kTile * 128);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int q = tid + kThreads * i, m = q >> 3, c = q & 7, p = base + m;
+        uint8_t* dst = dst_tile + m * 128 + ((c ^ (m & 7)) << 4);
+        const int pg = page_at(p);
+        if (pg >= 0)
+          cp_async16(dst, kv + dsq::fp8_132_data_offset_at(dsq::SlotPos{pg, geo.in_page(p)}, P, c * 16, a.preshuffle != 0));
+        else
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+      if (tid < kTile / 4) {
+        const int m = tid * 4, p = base + m;
+        uint8_t* dst = reinterpret_cast<uint8_t*>(sscale + s * kTile + m);
+        const int pg = page_at(p);
+        if (pg >= 0)
+          cp_async16(dst, kv + dsq::fp8_132_scale_offset_at(dsq::SlotPos{pg, geo.in_page(p)}, P));
+        else
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      uint8_t* dst_tile = sraw + s * (kTile * 64);
+      const bool aiter = a.layout == DSQ_SCORER_AITER_FP4;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int q = tid + kThreads * i, m = q >> 2, c = q & 3, p = base + m;
+        uint8_t* dst = dst_tile + m * 64 + c * 16;
+        const int pg = page_at(p);
+        if (pg >= 0) {
+          const dsq::SlotPos sp{pg, geo.in_page(p)};
+          cp_async16(dst, kv + (aiter ? dsq::aiter_fp4_data_offset_at(sp, P, c * 16)
+                                      : dsq::packed68_payload_offset_at(sp, P, c * 16)));
+        } else {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      uint8_t* dst_exp = sexp + s * 512;
+      if (!aiter) {
+        if (tid < kTile / 4) {
+          const int m = tid * 4, p = base + m;
+          const int pg = page_at(p);
+          if (pg >= 0)
+            cp_async16(dst_exp + m * 4, kv + dsq::packed68_scale_offset_at(dsq::SlotPos{pg, geo.in_page(p)}, P, 0));
+          else
+            *reinterpret_cast<uint4*>(dst_exp + m * 4) = make_uint4(0, 0, 0, 0);
+        }
+      } else {
+        // The 4*P exponent bytes of each page the tile touches ([block][interleaved position]).
+        const int per_page = P / 4;                          // 16-byte chunks per page
+        const int chunks = P >= kTile ? per_page : kTile / 4;
+        if (tid < chunks) {
+          const int pi = P >= kTile ? 0 : tid / per_page, k = P >= kTile ? tid : tid % per_page;
+          const int p = P >= kTile ? base : base + pi * P;
+          const int pg = page_at(p);
+          uint8_t* dst = dst_exp + pi * 4 * P + k * 16;
+          if (pg >= 0)
+            cp_async16(dst, a.kv_scale + static_cast<int64_t>(pg) * 4 * P + k * 16);
+          else
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+
+  // ---- the pipeline --------------------------------------------------------------------------------
+  const int n_tiles = tc - t0;
+  const uint64_t desc_q = dsq_wgmma::desc_sw128(sq);
+  const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows: m0 and m0 + 8
+  const float wscale = a.weight_scale;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) issue(t0 + s, s);
+    cp_async_commit();
+  }
+  for (int i = 0; i < n_tiles; ++i) {
+    const int t = t0 + i, stage = i % kStages;
+    if (i + kStages - 1 < n_tiles) issue(t + kStages - 1, (i + kStages - 1) % kStages);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    uint8_t* ktile;
+    float sk0, sk1;
+    if constexpr (!FP4) {
+      fence_proxy_async();
+      __syncthreads();
+      ktile = sk + stage * (kTile * 128);
+      sk0 = sscale[stage * kTile + m0];
+      sk1 = sscale[stage * kTile + m0 + 8];
+    } else {
+      __syncthreads();
+      // expand: thread -> row m = tid / 2, blocks 2*(tid%2) and 2*(tid%2) + 1
+      const int m = tid >> 1, half = tid & 1;
+      const uint8_t* raw = sraw + stage * (kTile * 64) + m * 64 + half * 32;
+      const uint4 r0 = *reinterpret_cast<const uint4*>(raw), r1 = *reinterpret_cast<const uint4*>(raw + 16);
+      const uint8_t* ex = sexp + stage * 512;
+      uint32_t e;
+      if (a.layout == DSQ_SCORER_PACKED68) {
+        e = *reinterpret_cast<const uint32_t*>(ex + m * 4);
+      } else {
+        const int p = t * kTile + m, o = geo.in_page(p);
+        const uint8_t* region = ex + (P >= kTile ? 0 : (m / P) * 4 * P);
+        const int sf = static_cast<int>(dsq::aiter_sflat(o, P));
+        e = region[sf] | (region[P + sf] << 8) | (region[2 * P + sf] << 16) | (static_cast<uint32_t>(region[3 * P + sf]) << 24);
+      }
+      const int emax = max4(e);
+      uint8_t* kx = smem + plan.kexp;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int blk = 2 * half + j;
+        uint32_t lo, hi;
+        e2m1_table(static_cast<int>((e >> (8 * blk)) & 255), emax, lo, hi);
+        uint4 c0, c1;
+        expand_block(j == 0 ? r0 : r1, lo, hi, c0, c1);
+        store_chunk(kx, m, 2 * blk, c0);
+        store_chunk(kx, m, 2 * blk + 1, c1);
+      }
+      if (half == 0) srow[m] = fold_scale(emax);
+      fence_proxy_async();
+      __syncthreads();
+      ktile = kx;
+      sk0 = srow[m0];
+      sk1 = srow[m0 + 8];
+    }
+
+    float acc[kRegs];
+    const uint64_t desc_k = dsq_wgmma::desc_sw128(ktile);
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[r]);
+    dsq_wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) Mma::run(acc, desc_k + 2 * ks, desc_q + 2 * ks, ks > 0 ? 1 : 0);
+    dsq_wgmma::commit();
+    dsq_wgmma::wait_all();
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[r]);
+
+    // ---- epilogue: rows m0, m0 + 8; columns 8c + 2(lane%4) + j --------------------------------------
+    const int p0 = t * kTile + m0, p1 = p0 + 8;
+    const bool ok0 = page_at(p0) >= 0, ok1 = page_at(p1) >= 0;
+    float s0[NQ], s1[NQ];
+#pragma unroll
+    for (int qi = 0; qi < NQ; ++qi) s0[qi] = s1[qi] = 0.f;
+#pragma unroll
+    for (int c = 0; c < NT / 8; ++c) {
+      const int qi = c / (H / 8);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float w = sw[8 * c + 2 * (lane & 3) + j];
+        const float x0 = acc[4 * c + j] * sk0, x1 = acc[4 * c + 2 + j] * sk1;
+        s0[qi] = fmaf(w, x0 < 0.f ? 0.f : x0, s0[qi]);
+        s1[qi] = fmaf(w, x1 < 0.f ? 0.f : x1, s1[qi]);
+      }
+    }
+#pragma unroll
+    for (int qi = 0; qi < NQ; ++qi) {
+      float v0 = s0[qi], v1 = s1[qi];
+      v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
+      v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
+      v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 2);
+      v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 2);
+      if ((lane & 3) == 0 && valid[qi]) {
+        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * a.ld;
+        const float ninf = -__int_as_float(0x7F800000);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int p = k == 0 ? p0 : p1;
+          if (p >= max_seq) continue;
+          const bool in_ctx = p < len[qi];
+          if (!in_ctx && !a.clean_logits) continue;
+          const float v = in_ctx && (k == 0 ? ok0 : ok1) ? (k == 0 ? v0 : v1) * wscale : ninf;
+          if (a.out_dtype == 1)
+            static_cast<uint16_t*>(a.logits)[row + p] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+          else
+            static_cast<float*>(a.logits)[row + p] = v;
+        }
+      }
+    }
+    __syncthreads();   // the stage and the expanded tile are free for the next copies
+  }
+
+  // ---- tiles past every query's context: -inf only ---------------------------------------------------
+  if (a.clean_logits) {
+    const int p_begin = tc * kTile, p_end = min(t1 * kTile, max_seq);
+    const float ninf = -__int_as_float(0x7F800000);
+#pragma unroll
+    for (int qi = 0; qi < NQ; ++qi) {
+      if (!valid[qi]) continue;
+      const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * a.ld;
+      for (int p = p_begin + tid; p < p_end; p += kThreads) {
+        if (a.out_dtype == 1)
+          static_cast<uint16_t*>(a.logits)[row + p] = 0xFF80;
+        else
+          static_cast<float*>(a.logits)[row + p] = ninf;
+      }
+    }
+  }
+#endif
+}
+
+// ---- host side ---------------------------------------------------------------------------------------
+struct DeviceInfo {
+  int sms = 0, major = 0, minor = 0;
+};
+DeviceInfo device_info(int dev) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= 64) return DeviceInfo{};
+  DeviceInfo& d = cache[dev];
+  if (d.sms == 0) {
+    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev);
+  }
+  return d;
+}
+
+template <int H, int NQ, bool FP4>
+int launch(const DsqPagedLogitsArgs& a, int sms, cudaStream_t stream) {
+  const int G = static_cast<int>((a.N + NQ - 1) / NQ);
+  const int tiles = static_cast<int>((a.max_seq_len + kTile - 1) / kTile);
+  int splits = a.splits;
+  if (splits <= 0) {
+    const int64_t ctas = a.B * G, target = 4LL * sms;
+    splits = static_cast<int>((target + ctas - 1) / ctas);
+  }
+  splits = splits < 1 ? 1 : (splits > tiles ? tiles : splits);
+  const int tpc = (tiles + splits - 1) / splits;
+  splits = (tiles + tpc - 1) / tpc;
+  const int P = static_cast<int>(a.page_size);
+  const int n_pages = tpc * kTile / P + 2;
+  int shift = -1;
+  if ((P & (P - 1)) == 0) shift = __builtin_ctz(static_cast<unsigned>(P));
+  const int bytes = smem_plan(H * NQ, FP4, n_pages).total + 1024;
+  auto kernel = paged_logits_kernel<H, NQ, FP4>;
+  if (bytes > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<dim3(splits, G, static_cast<unsigned>(a.B)), kThreads, bytes, stream>>>(a, tpc, n_pages, shift);
+  return cudaGetLastError();
+}
+
+template <bool FP4>
+int dispatch_h(const DsqPagedLogitsArgs& a, int sms, cudaStream_t s) {
+  // queries per CTA: the next power of two >= N, up to 128 query rows (H * NQ <= 128)
+  const int64_t cap = 128 / a.H;
+  int64_t nq = 1;
+  while (nq < a.N && nq < cap) nq *= 2;
+  switch (a.H) {
+    case 16:
+      return nq == 1 ? launch<16, 1, FP4>(a, sms, s) : nq == 2 ? launch<16, 2, FP4>(a, sms, s)
+             : nq == 4 ? launch<16, 4, FP4>(a, sms, s) : launch<16, 8, FP4>(a, sms, s);
+    case 32:
+      return nq == 1 ? launch<32, 1, FP4>(a, sms, s) : nq == 2 ? launch<32, 2, FP4>(a, sms, s)
+                                                          : launch<32, 4, FP4>(a, sms, s);
+    case 64:
+      return nq == 1 ? launch<64, 1, FP4>(a, sms, s) : launch<64, 2, FP4>(a, sms, s);
+    case 128:
+      return launch<128, 1, FP4>(a, sms, s);
+    default:
+      return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace
+
+extern "C" int dsq_paged_mqa_logits(const DsqPagedLogitsArgs* args, void* stream) {
+  const DsqPagedLogitsArgs& a = *args;
+  const DeviceInfo info = device_info(a.device);
+  if (info.major != 9 || info.minor != 0) return cudaErrorNotSupported;   // wgmma: sm_90a only
+  if (a.page_size < 4 || a.page_size % 4 || a.max_seq_len >= (int64_t{1} << 30)) return cudaErrorNotSupported;
+  if (a.layout == DSQ_SCORER_AITER_FP4 && (a.page_size % 16 || a.page_size > 128 || (a.page_size < 64 && 64 % a.page_size)))
+    return cudaErrorNotSupported;
+  if (a.B == 0 || a.N == 0 || a.max_seq_len == 0) return cudaSuccess;
+  int prev = -1;
+  cudaGetDevice(&prev);
+  if (prev != a.device) cudaSetDevice(a.device);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int err = a.layout == DSQ_SCORER_FP8_132 ? dispatch_h<false>(a, info.sms, s) : dispatch_h<true>(a, info.sms, s);
+  if (prev != a.device && prev >= 0) cudaSetDevice(prev);
+  return err;
+}
+
+extern "C" int dsq_paged_mqa_logits_layout(int64_t* out, int n) {
+  const int64_t v[] = {
+      sizeof(DsqPagedLogitsArgs),
+      offsetof(DsqPagedLogitsArgs, q), offsetof(DsqPagedLogitsArgs, q_scale), offsetof(DsqPagedLogitsArgs, weights),
+      offsetof(DsqPagedLogitsArgs, context_lens), offsetof(DsqPagedLogitsArgs, block_table),
+      offsetof(DsqPagedLogitsArgs, kv_cache), offsetof(DsqPagedLogitsArgs, kv_scale), offsetof(DsqPagedLogitsArgs, logits),
+      offsetof(DsqPagedLogitsArgs, err_flag), offsetof(DsqPagedLogitsArgs, B), offsetof(DsqPagedLogitsArgs, N),
+      offsetof(DsqPagedLogitsArgs, H), offsetof(DsqPagedLogitsArgs, num_blocks), offsetof(DsqPagedLogitsArgs, page_size),
+      offsetof(DsqPagedLogitsArgs, max_blocks), offsetof(DsqPagedLogitsArgs, max_seq_len), offsetof(DsqPagedLogitsArgs, ld),
+      offsetof(DsqPagedLogitsArgs, w_row), offsetof(DsqPagedLogitsArgs, w_head), offsetof(DsqPagedLogitsArgs, ctx_b),
+      offsetof(DsqPagedLogitsArgs, ctx_n), offsetof(DsqPagedLogitsArgs, bt_b), offsetof(DsqPagedLogitsArgs, bt_k),
+      offsetof(DsqPagedLogitsArgs, layout), offsetof(DsqPagedLogitsArgs, preshuffle), offsetof(DsqPagedLogitsArgs, w_dtype),
+      offsetof(DsqPagedLogitsArgs, ctx_dtype), offsetof(DsqPagedLogitsArgs, bt_dtype), offsetof(DsqPagedLogitsArgs, out_dtype),
+      offsetof(DsqPagedLogitsArgs, clean_logits), offsetof(DsqPagedLogitsArgs, device), offsetof(DsqPagedLogitsArgs, splits),
+      offsetof(DsqPagedLogitsArgs, weight_scale)};
+  const int total = static_cast<int>(sizeof(v) / sizeof(v[0]));
+  for (int i = 0; i < n && i < total; ++i) out[i] = v[i];
+  return total;
+}
