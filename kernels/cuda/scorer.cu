@@ -173,7 +173,20 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   const int P = geo.P;
   const int max_seq = static_cast<int>(a.max_seq_len);
 
-  // ---- this CTA's queries and their context lengths (clamped to [0, max_seq_len]) ----------------
+  const int n_tiles_all = (max_seq + kTile - 1) / kTile;
+  const int t0 = split * tiles_per_cta;
+  const int t1 = min(t0 + tiles_per_cta, n_tiles_all);
+  if (t0 >= t1) return;
+
+  // ---- the block-table entries of [t0*64, t1*64) into shared memory (-1: out of range), loaded
+  // together with the context lengths (neither waits for the other) ---------------------------------
+  const int e0 = geo.page_of(t0 * kTile);
+  const int e_all = geo.page_of(min(t1 * kTile, max_seq) - 1) + 1;
+  for (int e = e0 + tid; e < e_all; e += kThreads) {
+    int64_t pg = e < a.max_blocks ? load_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype)
+                                  : -1;
+    spages[e - e0] = pg < 0 || pg >= a.num_blocks ? -1 : static_cast<int>(pg);
+  }
   int len[NQ];
   bool valid[NQ];
   int ctx_max = 0;
@@ -186,67 +199,12 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     len[qi] = static_cast<int>(c);
     ctx_max = max(ctx_max, len[qi]);
   }
-  const int n_tiles_all = (max_seq + kTile - 1) / kTile;
-  const int t0 = split * tiles_per_cta;
-  const int t1 = min(t0 + tiles_per_cta, n_tiles_all);
-  if (t0 >= t1) return;
   const int tc = max(t0, min((ctx_max + kTile - 1) / kTile, t1));   // tiles [t0, tc) read keys
-
-  // ---- the pages of [t0*64, min(tc*64, ctx_max)) into shared memory (-1: out of range) -----------
-  const int e0 = geo.page_of(t0 * kTile);
-  const int read_end = min(tc * kTile, ctx_max);
+  const int read_end = min(tc * kTile, ctx_max);                      // positions [t0*64, read_end) are read
   const int e1 = read_end > t0 * kTile ? geo.page_of(read_end - 1) + 1 : e0;
-  for (int e = e0 + tid; e < e1; e += kThreads) {
-    int64_t pg = e < a.max_blocks ? load_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype)
-                                  : -1;
-    if (pg < 0 || pg >= a.num_blocks) {
-      pg = -1;
-      atomicOr(a.err_flag, kPageOutOfRange);
-    }
-    spages[e - e0] = static_cast<int>(pg);
-  }
-
-  // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per CTA ---------------------------
-  if constexpr (!FP4) {
-    for (int i = tid; i < NT * 8; i += kThreads) {
-      const int r = i >> 3, c = i & 7, qi = r / H, h = r % H;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (static_cast<int64_t>(group) * NQ + qi < a.N) {
-        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * H + h;
-        v = *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + row * 128 + c * 16);
-      }
-      store_chunk(sq, r, c, v);
-    }
-    for (int r = tid; r < NT; r += kThreads) {
-      const int qi = r / H, h = r % H;
-      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
-      sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
-    }
-  } else {
-    for (int r = tid; r < NT; r += kThreads) {
-      const int qi = r / H, h = r % H;
-      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
-      uint4 raw[4] = {};
-      uint32_t e = 0;
-      float w = 0.f;
-      if (n < a.N) {
-        const int64_t t = b * a.N + n, row = t * H + h;
-        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + row * 64);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) raw[j] = src[j];
-        const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
-        if (a.layout == DSQ_SCORER_PACKED68) {
-          e = *reinterpret_cast<const uint32_t*>(qs + row * 4);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) e |= static_cast<uint32_t>(qs[dsq::aiter_q_scale_offset(t, h, j, H)]) << (8 * j);
-        }
-        w = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
-      }
-      const float s = expand_row(raw, e, sq, r);
-      sw[r] = n < a.N ? w * s : 0.f;
-    }
-  }
+  __syncthreads();   // spages
+  for (int e = e0 + tid; e < e1; e += kThreads)
+    if (spages[e - e0] < 0) atomicOr(a.err_flag, kPageOutOfRange);
 
   uint8_t* sk = smem + plan.k;
   float* sscale = reinterpret_cast<float*>(smem + plan.scales);
@@ -254,8 +212,6 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   uint8_t* sexp = smem + plan.scales;
   float* srow = reinterpret_cast<float*>(smem + plan.rowscale);
   const uint8_t* kv = a.kv_cache;
-  __syncthreads();   // spages, q, weights
-
   // Page id of position p (>= 0), or -1 (out of range, past the context, or past the table).
   auto page_at = [&](int p) -> int { return p < read_end ? spages[geo.page_of(p) - e0] : -1; };
 
@@ -337,6 +293,55 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     if (s < n_tiles) issue(t0 + s, s);
     cp_async_commit();
   }
+
+  // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per CTA ---------------------------
+  if constexpr (!FP4) {
+    constexpr int kPer = NT * 8 / kThreads;   // 16-byte chunks per thread (all loads first, then the stores)
+    uint4 v[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int i = tid + k * kThreads, r = i >> 3, c = i & 7, qi = r / H, h = r % H;
+      v[k] = make_uint4(0, 0, 0, 0);
+      if (static_cast<int64_t>(group) * NQ + qi < a.N) {
+        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * H + h;
+        v[k] = *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + row * 128 + c * 16);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) store_chunk(sq, (tid + k * kThreads) >> 3, (tid + k * kThreads) & 7, v[k]);
+    for (int r = tid; r < NT; r += kThreads) {
+      const int qi = r / H, h = r % H;
+      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+      sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
+    }
+  } else {
+    for (int r = tid; r < NT; r += kThreads) {
+      const int qi = r / H, h = r % H;
+      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+      uint4 raw[4] = {};
+      uint32_t e = 0;
+      float w = 0.f;
+      if (n < a.N) {
+        const int64_t t = b * a.N + n, row = t * H + h;
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + row * 64);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) raw[j] = src[j];
+        const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
+        if (a.layout == DSQ_SCORER_PACKED68) {
+          e = *reinterpret_cast<const uint32_t*>(qs + row * 4);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) e |= static_cast<uint32_t>(qs[dsq::aiter_q_scale_offset(t, h, j, H)]) << (8 * j);
+        }
+        w = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
+      }
+      const float s = expand_row(raw, e, sq, r);
+      sw[r] = n < a.N ? w * s : 0.f;
+    }
+  }
+
+  __syncthreads();   // q rows and weights (the loop's first barrier comes after its first wait)
+
   for (int i = 0; i < n_tiles; ++i) {
     const int t = t0 + i, stage = i % kStages;
     if (i + kStages - 1 < n_tiles) issue(t + kStages - 1, (i + kStages - 1) % kStages);
@@ -401,23 +406,23 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     // ---- epilogue: rows m0, m0 + 8; columns 8c + 2(lane%4) + j --------------------------------------
     const int p0 = t * kTile + m0, p1 = p0 + 8;
     const bool ok0 = page_at(p0) >= 0, ok1 = page_at(p1) >= 0;
-    float s0[NQ], s1[NQ];
+    float s0[2 * NQ], s1[2 * NQ];   // two partial sums per query and row: shorter FMA chains
 #pragma unroll
-    for (int qi = 0; qi < NQ; ++qi) s0[qi] = s1[qi] = 0.f;
+    for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
 #pragma unroll
     for (int c = 0; c < NT / 8; ++c) {
-      const int qi = c / (H / 8);
+      const int k = 2 * (c / (H / 8)) + (c & 1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float w = sw[8 * c + 2 * (lane & 3) + j];
         const float x0 = acc[4 * c + j] * sk0, x1 = acc[4 * c + 2 + j] * sk1;
-        s0[qi] = fmaf(w, x0 < 0.f ? 0.f : x0, s0[qi]);
-        s1[qi] = fmaf(w, x1 < 0.f ? 0.f : x1, s1[qi]);
+        s0[k] = fmaf(w, x0 < 0.f ? 0.f : x0, s0[k]);
+        s1[k] = fmaf(w, x1 < 0.f ? 0.f : x1, s1[k]);
       }
     }
 #pragma unroll
     for (int qi = 0; qi < NQ; ++qi) {
-      float v0 = s0[qi], v1 = s1[qi];
+      float v0 = s0[2 * qi] + s0[2 * qi + 1], v1 = s1[2 * qi] + s1[2 * qi + 1];
       v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 1);
       v1 += __shfl_xor_sync(0xFFFFFFFFu, v1, 1);
       v0 += __shfl_xor_sync(0xFFFFFFFFu, v0, 2);
