@@ -85,6 +85,13 @@ __device__ __forceinline__ float load_float(const void* p, int64_t i, int dtype)
   return static_cast<const float*>(p)[i];
 }
 
+// max(x, 0) that keeps NaN (relu as the reference computes it), one instruction.
+__device__ __forceinline__ float relu_nan(float x) {
+  float r;
+  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // ---- FP4 -> e4m3 expansion ---------------------------------------------------------------------
 // Two fp32 values -> two e4m3fn bytes (a in the low byte), round to nearest even, saturating.
 __device__ __forceinline__ uint32_t cvt_e4m3x2(float a, float b) {
@@ -216,8 +223,49 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   auto page_at = [&](int p) -> int { return p < read_end ? spages[geo.page_of(p) - e0] : -1; };
 
   // ---- copies of tile t into stage s -------------------------------------------------------------
+  // The page of tile t when the whole tile lies in one page that is read (P >= 64, inside the read
+  // range, a valid entry), else -1: such tiles take the copy path without per-row checks.
+  auto whole_tile_page = [&](int t) -> int {
+    const int base = t * kTile;
+    return P >= kTile && base + kTile <= read_end ? spages[geo.page_of(base) - e0] : -1;
+  };
+  const int crow = tid >> 3, cchunk = tid & 7;   // fp8 copies: rows crow + 16 i, 16-byte chunk cchunk
   auto issue = [&](int t, int s) {
     const int base = t * kTile;
+    const int wpg = whole_tile_page(t);
+    if (wpg >= 0) {
+      const int o0 = geo.in_page(base);
+      if constexpr (!FP4) {
+        const uint8_t* page = kv + static_cast<int64_t>(wpg) * P * dsq::kFp8132Row;
+        uint8_t* dst_tile = sk + s * (kTile * 128) + ((cchunk ^ (crow & 7)) << 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          cp_async16(dst_tile + (crow + 16 * i) * 128,
+                     page + dsq::fp8_132_data_offset_at(dsq::SlotPos{0, o0 + crow + 16 * i}, P, cchunk * 16, a.preshuffle != 0));
+        if (tid < kTile / 4)
+          cp_async16(sscale + s * kTile + tid * 4, page + dsq::fp8_132_scale_offset_at(dsq::SlotPos{0, o0 + tid * 4}, P));
+      } else if (a.layout == DSQ_SCORER_PACKED68) {
+        const uint8_t* page = kv + static_cast<int64_t>(wpg) * P * dsq::kPacked68Row;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int q = tid + kThreads * i, m = q >> 2, c = q & 3;
+          cp_async16(sraw + s * (kTile * 64) + m * 64 + c * 16,
+                     page + dsq::packed68_payload_offset_at(dsq::SlotPos{0, o0 + m}, P, c * 16));
+        }
+        if (tid < kTile / 4)
+          cp_async16(sexp + s * 512 + tid * 16, page + dsq::packed68_scale_offset_at(dsq::SlotPos{0, o0 + tid * 4}, P, 0));
+      } else {
+        const uint8_t* page = kv + static_cast<int64_t>(wpg) * P * 64;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int q = tid + kThreads * i, m = q >> 2, c = q & 3;
+          cp_async16(sraw + s * (kTile * 64) + m * 64 + c * 16,
+                     page + dsq::aiter_fp4_data_offset_at(dsq::SlotPos{0, o0 + m}, P, c * 16));
+        }
+        if (tid < P / 4) cp_async16(sexp + s * 512 + tid * 16, a.kv_scale + static_cast<int64_t>(wpg) * 4 * P + tid * 16);
+      }
+      return;
+    }
     if constexpr (!FP4) {
       uint8_t* dst_tile = sk + s * (kTile * 128);
 #pragma unroll
@@ -341,6 +389,12 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   }
 
   __syncthreads();   // q rows and weights (the loop's first barrier comes after its first wait)
+  float wr[NT / 4];   // this thread's head weights: columns 8c + 2(lane%4) + j at 2c + j
+#pragma unroll
+  for (int c = 0; c < NT / 8; ++c) {
+    wr[2 * c] = sw[8 * c + 2 * (lane & 3)];
+    wr[2 * c + 1] = sw[8 * c + 2 * (lane & 3) + 1];
+  }
 
   for (int i = 0; i < n_tiles; ++i) {
     const int t = t0 + i, stage = i % kStages;
@@ -404,20 +458,35 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[r]);
 
     // ---- epilogue: rows m0, m0 + 8; columns 8c + 2(lane%4) + j --------------------------------------
+    // relu(acc * s) = s * relu(acc) for a row scale s >= 0 (or NaN): the scale is applied once per row
+    // after the head sum. A warp with a negative fp8 scale (never written by a writer) scales first.
     const int p0 = t * kTile + m0, p1 = p0 + 8;
-    const bool ok0 = page_at(p0) >= 0, ok1 = page_at(p1) >= 0;
+    const bool whole = whole_tile_page(t) >= 0;
+    const bool ok0 = whole || page_at(p0) >= 0, ok1 = whole || page_at(p1) >= 0;
+    const bool neg = !FP4 && __any_sync(0xFFFFFFFFu, sk0 < 0.f || sk1 < 0.f);
+    const float pre0 = neg ? sk0 : 1.f, pre1 = neg ? sk1 : 1.f, post0 = neg ? 1.f : sk0, post1 = neg ? 1.f : sk1;
     float s0[2 * NQ], s1[2 * NQ];   // two partial sums per query and row: shorter FMA chains
 #pragma unroll
     for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
+    if (!neg) {
 #pragma unroll
-    for (int c = 0; c < NT / 8; ++c) {
-      const int k = 2 * (c / (H / 8)) + (c & 1);
+      for (int c = 0; c < NT / 8; ++c) {
+        const int k = 2 * (c / (H / 8)) + (c & 1);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float w = sw[8 * c + 2 * (lane & 3) + j];
-        const float x0 = acc[4 * c + j] * sk0, x1 = acc[4 * c + 2 + j] * sk1;
-        s0[k] = fmaf(w, x0 < 0.f ? 0.f : x0, s0[k]);
-        s1[k] = fmaf(w, x1 < 0.f ? 0.f : x1, s1[k]);
+        for (int j = 0; j < 2; ++j) {
+          s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), s0[k]);
+          s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), s1[k]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < NT / 8; ++c) {
+        const int k = 2 * (c / (H / 8)) + (c & 1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j] * pre0), s0[k]);
+          s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j] * pre1), s1[k]);
+        }
       }
     }
 #pragma unroll
@@ -436,7 +505,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
           if (p >= max_seq) continue;
           const bool in_ctx = p < len[qi];
           if (!in_ctx && !a.clean_logits) continue;
-          const float v = in_ctx && (k == 0 ? ok0 : ok1) ? (k == 0 ? v0 : v1) * wscale : ninf;
+          const float v = in_ctx && (k == 0 ? ok0 : ok1) ? (k == 0 ? v0 * post0 : v1 * post1) * wscale : ninf;
           if (a.out_dtype == 1)
             static_cast<uint16_t*>(a.logits)[row + p] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
           else
