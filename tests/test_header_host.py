@@ -277,6 +277,17 @@ def test_ue8m0_recip_scales_bf16x2_every_amax(h, header_counts):
         check(header_counts, f"ue8m0 recip x2, NaN scale {'ab'[col - 2]}", got[:, col + 2], (e == 255).astype(np.int64))
 
 
+def test_fp8_132_rows_16_apart(h):
+    """The scorer's copy loop steps 16 positions by kFp8132Rows16 bytes, plain and preshuffled."""
+    for P in (16, 32, 64, 128):
+        t = np.arange(0, 4 * P, dtype=np.int64)
+        t = t[(t % P) + 16 < P]
+        d = np.arange(t.size, dtype=np.int64) % 128
+        for pre in (False, True):
+            step = h.fp8_132_data_offset(t + 16, P, d, pre) - h.fp8_132_data_offset(t, P, d, pre)
+            assert (step == h.kFp8132Rows16).all(), (P, pre)
+
+
 def test_layouts_slots_past_32_bits(h, header_counts):
     """layouts.h splits a slot into (page, place) in 32 bits when the slot and P fit, else in 64 bits:
     slots on both sides of 2^32 and far past it, with page sizes that do and do not divide them, against

@@ -155,8 +155,13 @@ __device__ __forceinline__ float expand_row(const uint4 (&raw)[4], uint32_t e, u
 
 struct Geometry {
   int P, p_shift;  // page size; log2(P) when P is a power of two, else -1
-  __device__ __forceinline__ int page_of(int p) const { return p_shift >= 0 ? p >> p_shift : p / P; }
-  __device__ __forceinline__ int in_page(int p) const { return p_shift >= 0 ? p & (P - 1) : p % P; }
+  // p >= 0, P > 0: unsigned division where P is not a power of two
+  __device__ __forceinline__ int page_of(int p) const {
+    return p_shift >= 0 ? p >> p_shift : static_cast<int>(static_cast<unsigned>(p) / static_cast<unsigned>(P));
+  }
+  __device__ __forceinline__ int in_page(int p) const {
+    return p_shift >= 0 ? p & (P - 1) : static_cast<int>(static_cast<unsigned>(p) % static_cast<unsigned>(P));
+  }
 };
 
 template <int H, int NQ, bool FP4>
@@ -167,7 +172,9 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   using Mma = dsq_wgmma::MmaE4M3<NT>;
   constexpr int kRegs = Mma::kRegs;
   extern __shared__ uint8_t dyn_smem[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(dyn_smem) + 1023) & ~uintptr_t(1023));
+  // 1024-aligned (the 128-byte swizzle repeats every 1024 bytes); offset from dyn_smem so that every
+  // access stays a shared-memory access
+  uint8_t* smem = dyn_smem + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) & 1023u)) & 1023u);
   const SmemPlan plan = smem_plan(NT, FP4, n_pages);
   uint8_t* sq = smem + plan.q;
   float* sw = reinterpret_cast<float*>(smem + plan.w);
@@ -238,10 +245,9 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
       if constexpr (!FP4) {
         const uint8_t* page = kv + static_cast<int64_t>(wpg) * P * dsq::kFp8132Row;
         uint8_t* dst_tile = sk + s * (kTile * 128) + ((cchunk ^ (crow & 7)) << 4);
+        const uint8_t* src = page + dsq::fp8_132_data_offset_at(dsq::SlotPos{0, o0 + crow}, P, cchunk * 16, a.preshuffle != 0);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          cp_async16(dst_tile + (crow + 16 * i) * 128,
-                     page + dsq::fp8_132_data_offset_at(dsq::SlotPos{0, o0 + crow + 16 * i}, P, cchunk * 16, a.preshuffle != 0));
+        for (int i = 0; i < 4; ++i) cp_async16(dst_tile + (crow + 16 * i) * 128, src + i * dsq::kFp8132Rows16);
         if (tid < kTile / 4)
           cp_async16(sscale + s * kTile + tid * 4, page + dsq::fp8_132_scale_offset_at(dsq::SlotPos{0, o0 + tid * 4}, P));
       } else if (a.layout == DSQ_SCORER_PACKED68) {
@@ -463,29 +469,30 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     const int p0 = t * kTile + m0, p1 = p0 + 8;
     const bool whole = whole_tile_page(t) >= 0;
     const bool ok0 = whole || page_at(p0) >= 0, ok1 = whole || page_at(p1) >= 0;
-    const bool neg = !FP4 && __any_sync(0xFFFFFFFFu, sk0 < 0.f || sk1 < 0.f);
-    const float pre0 = neg ? sk0 : 1.f, pre1 = neg ? sk1 : 1.f, post0 = neg ? 1.f : sk0, post1 = neg ? 1.f : sk1;
     float s0[2 * NQ], s1[2 * NQ];   // two partial sums per query and row: shorter FMA chains
 #pragma unroll
     for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
-    if (!neg) {
 #pragma unroll
-      for (int c = 0; c < NT / 8; ++c) {
-        const int k = 2 * (c / (H / 8)) + (c & 1);
+    for (int c = 0; c < NT / 8; ++c) {
+      const int k = 2 * (c / (H / 8)) + (c & 1);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), s0[k]);
-          s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), s1[k]);
-        }
+      for (int j = 0; j < 2; ++j) {
+        s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), s0[k]);
+        s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), s1[k]);
       }
-    } else {
+    }
+    float post0 = sk0, post1 = sk1;
+    if (!FP4 && __any_sync(0xFFFFFFFFu, sk0 < 0.f || sk1 < 0.f)) {   // rare: recompute scaled first
+      post0 = post1 = 1.f;
+#pragma unroll
+      for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
 #pragma unroll
       for (int c = 0; c < NT / 8; ++c) {
         const int k = 2 * (c / (H / 8)) + (c & 1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j] * pre0), s0[k]);
-          s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j] * pre1), s1[k]);
+          s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j] * sk0), s0[k]);
+          s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j] * sk1), s1[k]);
         }
       }
     }

@@ -53,6 +53,7 @@ arr<float> rows_inplace(const arr<float>& x, F f) {
 }  // namespace
 
 PYBIND11_MODULE(dsq_header_host, m) {
+  m.attr("kFp8132Rows16") = dsq::kFp8132Rows16;
   m.doc() = "Vectorised host wrappers over the dsaquant shared header (tests only)";
 
   // ---- arith (SPEC §0) ----

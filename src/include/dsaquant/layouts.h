@@ -52,6 +52,8 @@ DSQ_HD int64_t fp8_132_data_offset_at(SlotPos s, int64_t P, int64_t d, bool pres
 DSQ_HD int64_t fp8_132_data_offset(int64_t t, int64_t P, int64_t d, bool preshuffle) {
   return fp8_132_data_offset_at(slot_pos(t, P), P, d, preshuffle);
 }
+// Position o + 16 lies 2048 bytes after position o in the same page, plain or preshuffled (o % 16 kept).
+constexpr int64_t kFp8132Rows16 = 16 * 128;
 // First byte of the fp32 scale of slot t (little endian), preshuffled or not.
 DSQ_HD int64_t fp8_132_scale_offset_at(SlotPos s, int64_t P) { return s.n * (P * kFp8132Row) + 128 * P + 4 * s.o; }
 DSQ_HD int64_t fp8_132_scale_offset(int64_t t, int64_t P) { return fp8_132_scale_offset_at(slot_pos(t, P), P); }
