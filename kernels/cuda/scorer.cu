@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "dsaquant/layouts.h"
 #include "scorer.h"
@@ -470,20 +471,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     const bool whole = whole_tile_page(t) >= 0;
     const bool ok0 = whole || page_at(p0) >= 0, ok1 = whole || page_at(p1) >= 0;
     float s0[2 * NQ], s1[2 * NQ];   // two partial sums per query and row: shorter FMA chains
-#pragma unroll
-    for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
-#pragma unroll
-    for (int c = 0; c < NT / 8; ++c) {
-      const int k = 2 * (c / (H / 8)) + (c & 1);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), s0[k]);
-        s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), s1[k]);
-      }
-    }
-    float post0 = sk0, post1 = sk1;
-    if (!FP4 && __any_sync(0xFFFFFFFFu, sk0 < 0.f || sk1 < 0.f)) {   // rare: recompute scaled first
-      post0 = post1 = 1.f;
+    auto head_sums = [&](auto scaled) {
 #pragma unroll
       for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
 #pragma unroll
@@ -491,10 +479,21 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
         const int k = 2 * (c / (H / 8)) + (c & 1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          s0[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j] * sk0), s0[k]);
-          s1[k] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j] * sk1), s1[k]);
+          float x0 = acc[4 * c + j], x1 = acc[4 * c + 2 + j];
+          if constexpr (decltype(scaled)::value) {
+            x0 *= sk0;
+            x1 *= sk1;
+          }
+          s0[k] = fmaf(wr[2 * c + j], relu_nan(x0), s0[k]);
+          s1[k] = fmaf(wr[2 * c + j], relu_nan(x1), s1[k]);
         }
       }
+    };
+    head_sums(std::false_type{});
+    float post0 = sk0, post1 = sk1;
+    if (!FP4 && __any_sync(0xFFFFFFFFu, sk0 < 0.f || sk1 < 0.f)) {   // rare: recompute scaled first
+      post0 = post1 = 1.f;
+      head_sums(std::true_type{});
     }
 #pragma unroll
     for (int qi = 0; qi < NQ; ++qi) {

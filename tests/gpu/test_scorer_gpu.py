@@ -27,12 +27,6 @@ BACKENDS = [b for b in ("cuda", "triton") if dispatch.available(b)[0] and "paged
 LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 
 
-@pytest.fixture(autouse=True)
-def _ieee_reference():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def make(layout, B, N, H, ctx, P=64, seed=0, ctx_form="1d", preshuffle=False, w_dtype=torch.float32):

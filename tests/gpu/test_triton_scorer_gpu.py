@@ -23,13 +23,6 @@ SHAPES = {"deepseek": 64, "glm": 32}     # heads
 E2E_TOKENS = 8192                        # keys in the writer -> scorer test (> 2048 for the top-2048 overlap)
 
 
-@pytest.fixture(autouse=True)
-def _ieee_reference():
-    """The reference scorer's einsum must not use TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _scorer():
