@@ -559,14 +559,34 @@ DeviceInfo device_info(int dev) {
   return d;
 }
 
+// CTAs of one kernel that fit on an SM at once (shared memory, registers), per device; the page list
+// is counted at kPageAllowance entries (the split below keeps most launches within it).
+constexpr int kPageAllowance = 256;
+template <int H, int NQ, bool FP4>
+int resident_ctas(int dev) {
+  static std::mutex mu;
+  static int cache[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= 64) return 1;
+  if (cache[dev] == 0) {
+    const int bytes = smem_plan(H * NQ, FP4, kPageAllowance).total + 1024;
+    auto kernel = paged_logits_kernel<H, NQ, FP4>;
+    int n = 0;
+    if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, bytes) != cudaSuccess || n < 1) n = 1;
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
 template <int H, int NQ, bool FP4>
 int launch(const DsqPagedLogitsArgs& a, int sms, cudaStream_t stream) {
   const int G = static_cast<int>((a.N + NQ - 1) / NQ);
   const int tiles = static_cast<int>((a.max_seq_len + kTile - 1) / kTile);
   int splits = a.splits;
-  if (splits <= 0) {
-    const int64_t ctas = a.B * G, target = 4LL * sms;
-    splits = static_cast<int>((target + ctas - 1) / ctas);
+  if (splits <= 0) {   // as many CTAs as fit on the device at once: one wave, no tail
+    const int64_t ctas = a.B * G, slots = static_cast<int64_t>(resident_ctas<H, NQ, FP4>(a.device)) * sms;
+    splits = static_cast<int>(slots / ctas);
   }
   splits = splits < 1 ? 1 : (splits > tiles ? tiles : splits);
   const int tpc = (tiles + splits - 1) / splits;
