@@ -129,7 +129,7 @@ def _topk_kernel(logits_ptr, stride_row, L, ctx_ptr, ks_ptr, ke_ptr, next_n, k, 
     lvl = n * 0
     done = n < 0
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         if not done:
             hist = tl.zeros([256], dtype=tl.int32)
             for i0 in range(0, n if N_BOUND == 0 else N_BOUND, BLOCK):
@@ -273,3 +273,21 @@ def topk_indices(logits, k, context_lens, next_n, ks, ke, relative, out, *, chun
 
 
 OPS = {"topk_indices": topk_indices}
+
+
+def aot_compile(target, stage: int = STAGE_WHOLE, form: int = PREFILL, *, logits_dtype="fp32", index_dtype="i32",
+                relative=False, k_pad=2048, block=BLOCK, num_warps=8):
+    """Compile `_topk_kernel` for a GPUTarget without a GPU (the variant a launch on that device would
+    build; scalar arguments as the launcher passes them). Returns the CompiledKernel."""
+    from triton.compiler import ASTSource
+    sig = {"logits_ptr": f"*{logits_dtype}", "stride_row": "i32", "L": "i32", "ctx_ptr": f"*{index_dtype}",
+           "ks_ptr": f"*{index_dtype}", "ke_ptr": f"*{index_dtype}", "next_n": "i32", "k": "i32", "out_ptr": "*i32",
+           "cand_key_ptr": "*i32", "cand_idx_ptr": "*i32", "n_chunks": "i32", "chunk_len": "i32",
+           "cand_per_chunk": "i32"}
+    names = list(sig)
+    cx = dict(FORM=form, STAGE=stage, RELATIVE=bool(relative), BLOCK=block, K_PAD=k_pad, N_BOUND=0, K_BOUND=0,
+              C_BOUND=0)
+    sig.update({c: "constexpr" for c in cx})
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, v in sig.items() if v.startswith("*")}
+    src = ASTSource(fn=_topk_kernel, signature=sig, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=num_warps))
