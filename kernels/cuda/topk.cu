@@ -338,7 +338,7 @@ extern "C" __attribute__((visibility("default"))) int dsq_topk_indices(const Dsq
   if (a.rows < 0 || a.L < 0 || a.L > INT32_MAX || a.k < 1 || a.k > INT32_MAX || !a.out ||
       a.logits_dtype < 0 || a.logits_dtype > 2 || (a.index_dtype != 3 && a.index_dtype != 4) ||
       a.form < DSQ_TOPK_DECODE_1D || a.form > DSQ_TOPK_PREFILL || a.next_n < 1 ||
-      (a.rows > 0 && a.L > 0 && !a.logits) || a.row_stride < a.L)
+      (a.rows > 0 && a.L > 0 && !a.logits) || a.row_stride < 0)
     return cudaErrorInvalidValue;
   if (a.form == DSQ_TOPK_PREFILL ? (!a.ks || !a.ke) : !a.context_lens) return cudaErrorInvalidValue;
   if (a.chunks > 1024) return cudaErrorInvalidValue;

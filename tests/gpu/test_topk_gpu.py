@@ -97,6 +97,7 @@ CASES = {
     "bf16": (16, 40000, 2048, "ties", "decode", 1, torch.bfloat16),
     "fp16": (16, 40000, 2048, "specials", "prefill", 1, torch.float16),
     "many-short-rows": (512, 4096, 2048, "randn", "decode", 1, torch.float32),
+    "k20000": (4, 50000, 20000, "ties", "prefill", 1, torch.float32),   # past the Triton sort: reference path
 }
 
 
@@ -160,3 +161,68 @@ def test_cuda_graph_replay(backend):
     torch.cuda.synchronize()
     ref = dq.topk_indices(x, 2048, context_lens=ctx, backend="reference")
     assert torch.equal(out, ref)
+
+
+# -----------------------------------------------------------------------------------------------------
+# kernels/cuda/topk.cu before it is part of the build: compiled here with nvcc into a shared library and
+# called through its C ABI (dsaquant.backends.topk_abi), byte-equal to the reference.
+# -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def topk_lib(tmp_path_factory):
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+    if getattr(torch.version, "hip", None):
+        pytest.skip("kernels/cuda/topk.cu is built for NVIDIA here")
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    repo = Path(__file__).resolve().parents[2]
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    so = tmp_path_factory.mktemp("topk_cuda") / "libdsq_topk.so"
+    cmd = [nvcc, "-std=c++17", "-O3", "--fmad=false", "-shared", "-Xcompiler", "-fPIC",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-I{repo / 'src' / 'include'}",
+           str(repo / "kernels" / "cuda" / "topk.cu"), "-o", str(so)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{res.stderr}"
+    return ctypes.CDLL(str(so))
+
+
+def run_cuda_lib(lib, x, k, kw, chunks):
+    from dsaquant.backends import topk_abi
+    ctx, ks, ke = kw.get("context_lens"), kw.get("ks"), kw.get("ke")
+    out = torch.full((x.shape[0], k), POISON, dtype=torch.int32, device=DEV)
+    c = chunks if chunks > 0 else 8
+    ws = torch.empty(max(1, topk_abi.workspace_bytes(x.shape[0], x.shape[1], k, c)), dtype=torch.uint8, device=DEV)
+    a = topk_abi.make_args(x, k, ctx.contiguous() if ctx is not None else None, kw.get("next_n", 1), ks, ke,
+                           kw.get("relative", False), out, workspace=ws, chunks=chunks)
+    rc = topk_abi.call(lib, a, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return rc, out
+
+
+@pytest.mark.parametrize("chunks", [0, 1, 2, 8])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_kernel_via_c_abi(topk_lib, name, chunks):
+    rows, L, k, kind, form, next_n, dtype = CASES[name]
+    if 1 << (min(k, L) - 1).bit_length() > 4096:
+        pytest.skip("min(k, L) past DSQ_TOPK_MAX_SORT (test_cuda_kernel_rejects_large_k_without_writing)")
+    x = logits_of(rows, L, kind, seed=list(CASES).index(name) + 50, dtype=dtype)
+    kw = dict(forms(rows, L, form, seed=len(name) + 1, next_n=next_n), relative=chunks % 2 == 0)
+    rc, out = run_cuda_lib(topk_lib, x, k, kw, chunks)
+    assert rc == 0, f"dsq_topk_indices returned cudaError {rc}"
+    ref = dq.topk_indices(x, k, **kw, backend="reference")
+    total, bad, where = byte_diff([("indices", ref, out)], "cuda-abi")
+    record("cuda-abi", "topk_indices", total, bad)
+    assert bad == 0, f"{name} chunks={chunks}: {bad} of {total} bytes differ: {where}"
+
+
+def test_cuda_kernel_rejects_large_k_without_writing(topk_lib):
+    x = logits_of(2, 10000, "randn", seed=1)
+    rc, out = run_cuda_lib(topk_lib, x, 5000, forms(2, 10000, "prefill", seed=1), 1)
+    assert rc == 1 and bool((out == POISON).all())
+    rc, out = run_cuda_lib(topk_lib, x[:, :0], 5000, forms(2, 0, "prefill", seed=1), 1)   # min(k, L) = 0
+    assert rc == 0 and bool((out == -1).all())
