@@ -277,6 +277,16 @@ if __name__ != "__main__":
                           backend="eager")
         assert torch.equal(f(x, kw["context_lens"]), brute_topk(x, k, **kw))
 
+    @pytest.mark.parametrize("form", ["prefill", "decode2d"])
+    def test_opcheck(form):
+        """The registered op's schema, fake implementation and declared mutation of `out` (torch.library)."""
+        shape = dict(rows=4) if form == "prefill" else dict(B=2, next_n=2)
+        x, k, kw = _args(dict(form=form, L=24, k=6, seed=2, **shape))
+        out = torch.empty((x.shape[0], k), dtype=torch.int32)
+        args = (x, k, kw.get("context_lens"), kw.get("next_n", 1), kw.get("ks"), kw.get("ke"), True, out, "reference")
+        res = torch.library.opcheck(torch.ops.dsaquant.topk_indices.default, args)
+        assert all(v == "SUCCESS" for v in res.values()), res
+
     # -------------------------------------------------------------------------------------------------
     # Triton under the interpreter, byte-equal to the reference
     # -------------------------------------------------------------------------------------------------
