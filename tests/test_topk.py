@@ -180,6 +180,22 @@ if __name__ != "__main__":
         assert got.dtype == torch.int32 and got.shape == (x.shape[0], k)
         assert torch.equal(got, brute_topk(x, k, **kw))
 
+    from hypothesis import given, settings, strategies as st
+
+    _VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e-40, -1e-40, 3.4e38, -3.4e38, INF, -INF, NAN])
+
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.data(), rows=st.integers(1, 4), L=st.integers(0, 12), k=st.integers(1, 15),
+           relative=st.booleans())
+    def test_reference_property(data, rows, L, k, relative):
+        """Arbitrary rows of special values and arbitrary (hostile) spans: the brute force's bytes."""
+        x = torch.tensor(data.draw(st.lists(st.lists(_VALUES, min_size=L, max_size=L), min_size=rows,
+                                            max_size=rows)), dtype=torch.float32).reshape(rows, L)
+        ks = torch.tensor(data.draw(st.lists(st.integers(-20, 20), min_size=rows, max_size=rows)), dtype=torch.int32)
+        ke = torch.tensor(data.draw(st.lists(st.integers(-20, 20), min_size=rows, max_size=rows)), dtype=torch.int32)
+        got = dsaquant.topk_indices(x, k, ks=ks, ke=ke, relative=relative, backend="reference")
+        assert torch.equal(got, brute_topk(x, k, ks=ks, ke=ke, relative=relative))
+
     def test_order_rules_by_hand():
         """The rules of docs/topk.md on one row: +inf first, ties by position, -0.0 == +0.0, NaN and -inf
         never selected, -1 after the candidates."""
