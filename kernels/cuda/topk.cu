@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarps = kThreads / 32;           // 32-lane groups (explicit shuffle width: wave64 too)
 constexpr int kItems = 4;                      // consecutive keys per thread in the compaction
 constexpr int kTile = kThreads * kItems;
 constexpr int kBins = 256;
@@ -107,7 +107,7 @@ __device__ __forceinline__ int scan256(int v, Shared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
-    const int t = __shfl_up_sync(0xFFFFFFFFu, v, off);
+    const int t = __shfl_up_sync(0xFFFFFFFFu, v, off, 32);
     if (lane >= off) v += t;
   }
   if (lane == 31 && warp < kBins / 32) sh.warp_ints[warp] = v;
@@ -125,7 +125,7 @@ __device__ __forceinline__ unsigned long long scan_block_exclusive(unsigned long
   unsigned long long x = v;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
-    const unsigned long long t = __shfl_up_sync(0xFFFFFFFFu, x, off);
+    const unsigned long long t = __shfl_up_sync(0xFFFFFFFFu, x, off, 32);
     if (lane >= off) x += t;
   }
   if (lane == 31) sh.warp_sums[warp] = x;
@@ -134,7 +134,7 @@ __device__ __forceinline__ unsigned long long scan_block_exclusive(unsigned long
     unsigned long long w = sh.warp_sums[lane];
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
-      const unsigned long long t = __shfl_up_sync(0xFFFFFFFFu, w, off);
+      const unsigned long long t = __shfl_up_sync(0xFFFFFFFFu, w, off, 32);
       if (lane >= off) w += t;
     }
     sh.warp_sums[lane] = w;   // inclusive over warps
