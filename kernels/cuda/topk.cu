@@ -5,7 +5,7 @@
 //   * Keys: each value becomes the order key, a uint32 that compares like the float (-0.0 taken as +0.0),
 //     0 for NaN, -inf and positions outside the row's span.
 //   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
-//     of the keys matching the digits fixed so far, then a scan over the 256 bins finds the digit where the
+//     of the keys matching the digits fixed so far (one atomic per group of equal digits in a warp), then a scan over the 256 bins finds the digit where the
 //     count of larger keys reaches the number still wanted. The passes stop early when that number equals
 //     the whole bucket; if the first pass counts at most k candidates, all are taken.
 //   * Compaction: tiles of 4 consecutive keys per thread, in position order; a block scan of the per-thread
@@ -102,6 +102,17 @@ struct Shared {
   int digit, above, in_bucket, total;
 };
 
+// hist[bin] += 1 for every lane with bin < kBins; every lane of the warp calls it. Lanes with the same bin
+// are counted by one atomic (the digits of a pass crowd into few bins, which would serialize the atomics).
+__device__ __forceinline__ void bin_add(int* hist, int bin) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  const unsigned peers = __match_any_sync(0xFFFFFFFFu, bin);
+  if (bin < kBins && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
+#else
+  if (bin < kBins) atomicAdd(&hist[bin], 1);
+#endif
+}
+
 // Inclusive scan of one int per thread over the first 256 threads (others pass 0); every thread calls it.
 __device__ __forceinline__ int scan256(int v, Shared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -186,12 +197,12 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const DsqTopkArgs a, int
     const int shift = 24 - 8 * p;
     for (int b = tid; b < kBins; b += kThreads) sh.hist[b] = 0;
     __syncthreads();
-    for (int32_t i = tid; i < s.n; i += kThreads) {
+    for (int32_t base = 0; base < s.n; base += kThreads) {   // whole warps in every step (bin_add)
       uint32_t key;
       int32_t pos;
-      element<DT, kCands>(s, i, key, pos);
+      element<DT, kCands>(s, base + tid, key, pos);
       const bool match = key != 0u && (p == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)));
-      if (match) atomicAdd(&sh.hist[(key >> shift) & 0xFFu], 1);
+      bin_add(sh.hist, match ? static_cast<int>((key >> shift) & 0xFFu) : kBins);
     }
     __syncthreads();
     // thread t < 256 holds bin 255 - t: the inclusive scan is the count of keys with a digit >= that bin
@@ -315,7 +326,7 @@ int32_t auto_chunks(const DsqTopkArgs& a) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (a.rows >= sms || a.L < 8 * a.k) return 1;
-  int64_t c = (2 * sms + a.rows - 1) / a.rows;
+  int64_t c = 2 * sms / a.rows;   // two 1024-thread blocks fit an SM: the chunks of every row in one wave
   if (c > kMaxChunks) c = kMaxChunks;
   if (c > a.L / (4 * a.k)) c = a.L / (4 * a.k);
   return static_cast<int32_t>(c < 1 ? 1 : c);
