@@ -111,8 +111,8 @@ def _triton_cases():
     c = {}
     for form in ("prefill", "decode", "decode2d"):
         shape = dict(rows=5) if form == "prefill" else dict(B=2, next_n=3 if form == "decode" else 2)
-        for chunks, k in ((1, 7), (1, 200), (3, 1), (3, 40)):
-            c[f"{form}-k{k}-chunks{chunks}"] = dict(form=form, L=150, k=k, chunks=chunks, seed=k + chunks, **shape)
+        for chunks, k in ((1, 7), (1, 200), (3, 1), (3, 30)):
+            c[f"{form}-k{k}-chunks{chunks}"] = dict(form=form, L=110, k=k, chunks=chunks, seed=k + chunks, **shape)
         c[f"{form}-relative"] = dict(form=form, L=130, k=20, chunks=2, relative=True, seed=3, idx="int64", **shape)
     c["ties-only"] = dict(form="prefill", rows=3, L=200, k=50, chunks=2, seed=4, specials=False)
     c["random-no-ties"] = dict(form="prefill", rows=3, L=260, k=33, chunks=1, seed=5, ties=False, specials=False)
