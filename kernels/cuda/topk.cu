@@ -5,7 +5,7 @@
 //   * Keys: each value becomes the order key, a uint32 that compares like the float (-0.0 taken as +0.0),
 //     0 for NaN, -inf and positions outside the row's span.
 //   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
-//     of the keys matching the digits fixed so far (one atomic per group of equal digits in a warp), then a scan over the 256 bins finds the digit where the
+//     of the keys matching the digits fixed so far (4 copies, each shared by a quarter of the warps), then a scan over the 256 bins finds the digit where the
 //     count of larger keys reaches the number still wanted. The passes stop early when that number equals
 //     the whole bucket; if the first pass counts at most k candidates, all are taken.
 //   * Compaction: tiles of 4 consecutive keys per thread, in position order; a block scan of the per-thread
@@ -16,12 +16,11 @@
 //   * Few long rows: the first launch splits every row into `chunks` pieces and writes each piece's
 //     selection (keys, positions, in position order, padded with key 0) to the workspace; a second launch
 //     selects from each row's candidates, whose buffer order is position order, so the tie rule holds.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "dsaquant/arith.h"
 #include "topk.h"
 
 namespace {
@@ -31,6 +30,7 @@ constexpr int kWarps = kThreads / 32;           // 32-lane groups (explicit shuf
 constexpr int kItems = 4;                      // consecutive keys per thread in the compaction
 constexpr int kTile = kThreads * kItems;
 constexpr int kBins = 256;
+constexpr int kCopies = 4;                     // histogram copies, summed before the scan
 constexpr int kMaxChunks = 8;
 constexpr int kStageWhole = 0, kStageChunk = 1, kStageMerge = 2;
 
@@ -43,10 +43,10 @@ __device__ __forceinline__ uint32_t order_key_bits(uint32_t b) {
 
 template <int DT>
 __device__ __forceinline__ uint32_t load_key(const void* row, int64_t p) {
-  if (DT == 0) return order_key_bits(__float_as_uint(static_cast<const float*>(row)[p]));
+  if (DT == 0) return order_key_bits(dsq::f2u(static_cast<const float*>(row)[p]));
   const uint16_t h = static_cast<const uint16_t*>(row)[p];
   if (DT == 1) return order_key_bits(static_cast<uint32_t>(h) << 16);   // bf16 -> fp32 exactly
-  return order_key_bits(__float_as_uint(__half2float(__ushort_as_half(h))));
+  return order_key_bits(dsq::f2u(dsq::fp16_to_f32(h)));
 }
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int dt) {
@@ -96,22 +96,11 @@ __device__ __forceinline__ void row_span(const DsqTopkArgs& a, int64_t row, int6
 
 struct Shared {
   unsigned long long sort[DSQ_TOPK_MAX_SORT];
-  int hist[kBins];
+  int hist[kCopies][kBins];   // warp w counts into copy w % kCopies (fewer warps contend per address)
   unsigned long long warp_sums[kWarps];
   int warp_ints[kWarps];
   int digit, above, in_bucket, total;
 };
-
-// hist[bin] += 1 for every lane with bin < kBins; every lane of the warp calls it. Lanes with the same bin
-// are counted by one atomic (the digits of a pass crowd into few bins, which would serialize the atomics).
-__device__ __forceinline__ void bin_add(int* hist, int bin) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  const unsigned peers = __match_any_sync(0xFFFFFFFFu, bin);
-  if (bin < kBins && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
-#else
-  if (bin < kBins) atomicAdd(&hist[bin], 1);
-#endif
-}
 
 // Inclusive scan of one int per thread over the first 256 threads (others pass 0); every thread calls it.
 __device__ __forceinline__ int scan256(int v, Shared& sh) {
@@ -158,7 +147,7 @@ __device__ __forceinline__ unsigned long long scan_block_exclusive(unsigned long
 }
 
 template <int DT, int STAGE>
-__global__ void __launch_bounds__(kThreads) topk_kernel(const DsqTopkArgs a, int32_t chunks, int32_t chunk_len,
+__global__ void __launch_bounds__(kThreads, 1) topk_kernel(const DsqTopkArgs a, int32_t chunks, int32_t chunk_len,
                                                         int32_t per, int32_t k_pad) {
   __shared__ Shared sh;
   const int tid = threadIdx.x;
@@ -195,18 +184,20 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const DsqTopkArgs a, int
   int want = k;
   for (int p = 0; p < 4; ++p) {
     const int shift = 24 - 8 * p;
-    for (int b = tid; b < kBins; b += kThreads) sh.hist[b] = 0;
+    for (int b = tid; b < kCopies * kBins; b += kThreads) sh.hist[b / kBins][b % kBins] = 0;
     __syncthreads();
-    for (int32_t base = 0; base < s.n; base += kThreads) {   // whole warps in every step (bin_add)
+    for (int32_t i = tid; i < s.n; i += kThreads) {
       uint32_t key;
       int32_t pos;
-      element<DT, kCands>(s, base + tid, key, pos);
+      element<DT, kCands>(s, i, key, pos);
       const bool match = key != 0u && (p == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)));
-      bin_add(sh.hist, match ? static_cast<int>((key >> shift) & 0xFFu) : kBins);
+      if (match) atomicAdd(&sh.hist[(tid >> 5) & (kCopies - 1)][(key >> shift) & 0xFFu], 1);
     }
     __syncthreads();
     // thread t < 256 holds bin 255 - t: the inclusive scan is the count of keys with a digit >= that bin
-    const int h = tid < kBins ? sh.hist[kBins - 1 - tid] : 0;
+    int h = 0;
+    if (tid < kBins)
+      for (int c = 0; c < kCopies; ++c) h += sh.hist[c][kBins - 1 - tid];
     const int ge = scan256(h, sh);
     if (tid < kBins && ge >= want && ge - h < want) {
       sh.digit = kBins - 1 - tid;
@@ -322,17 +313,16 @@ cudaError_t launch_stage(const DsqTopkArgs& a, int64_t grid, int32_t chunks, int
   return cudaGetLastError();
 }
 
-int32_t auto_chunks(const DsqTopkArgs& a) {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (a.rows >= sms || a.L < 8 * a.k) return 1;
-  int64_t c = 2 * sms / a.rows;   // two 1024-thread blocks fit an SM: the chunks of every row in one wave
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) int32_t dsq_topk_plan_chunks(int64_t rows, int64_t L, int64_t k,
+                                                                             int32_t sms) {
+  if (rows <= 0 || rows >= sms || k <= 0 || L < 8 * k) return 1;
+  int64_t c = sms / rows;          // one 1024-thread block per SM: the chunks of every row in one wave
   if (c > kMaxChunks) c = kMaxChunks;
-  if (c > a.L / (4 * a.k)) c = a.L / (4 * a.k);
+  if (c > L / (4 * k)) c = L / (4 * k);
   return static_cast<int32_t>(c < 1 ? 1 : c);
 }
-
-}  // namespace
 
 extern "C" __attribute__((visibility("default"))) int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k,
                                                                                  int32_t chunks) {
@@ -358,7 +348,7 @@ extern "C" __attribute__((visibility("default"))) int dsq_topk_indices(const Dsq
   int32_t k_pad = 1;
   while (k_pad < m) k_pad <<= 1;
   if (k_pad > DSQ_TOPK_MAX_SORT) return cudaErrorInvalidValue;
-  int32_t chunks = a.chunks > 0 ? a.chunks : auto_chunks(a);
+  int32_t chunks = a.chunks > 0 ? a.chunks : 1;
   if (chunks > 1 && (a.L == 0 || !a.workspace || a.workspace_bytes < dsq_topk_workspace_bytes(a.rows, a.L, a.k, chunks)))
     chunks = 1;
   if (chunks > a.L) chunks = a.L > 0 ? static_cast<int32_t>(a.L) : 1;

@@ -33,7 +33,7 @@ typedef struct DsqTopkArgs {
   int32_t logits_dtype;
   int32_t index_dtype;       /* 3 int32, 4 int64 */
   int32_t relative;          /* nonzero: positions minus the row's clamped start */
-  int32_t chunks;            /* blocks per row: 1 one stage; > 1 two stages; <= 0 chosen by the launcher */
+  int32_t chunks;            /* blocks per row: <= 1 one stage; > 1 two stages (dsq_topk_plan_chunks) */
 } DsqTopkArgs;
 
 /* Launches the selection on `stream` (a cudaStream_t). Returns a cudaError_t code: cudaSuccess (0), or
@@ -43,6 +43,10 @@ int dsq_topk_indices(const DsqTopkArgs* a, void* stream);
 
 /* Bytes of workspace the two-stage form with `chunks` blocks per row needs (0 for chunks <= 1). */
 int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunks);
+
+/* Blocks per row for a device with `sms` multiprocessors: 1 unless the rows are fewer than the SMs and at least
+ * 8k long; then as many as keep every block in one wave, at most 8, and chunks of at least 4k. Host only. */
+int32_t dsq_topk_plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms);
 
 #ifdef __cplusplus
 }

@@ -195,8 +195,9 @@ def run_cuda_lib(lib, x, k, kw, chunks):
     from dsaquant.backends import topk_abi
     ctx, ks, ke = kw.get("context_lens"), kw.get("ks"), kw.get("ke")
     out = torch.full((x.shape[0], k), POISON, dtype=torch.int32, device=DEV)
-    c = chunks if chunks > 0 else 8
-    ws = torch.empty(max(1, topk_abi.workspace_bytes(x.shape[0], x.shape[1], k, c)), dtype=torch.uint8, device=DEV)
+    if chunks <= 0:   # the plan for this device
+        chunks = topk_abi.plan_chunks(x.shape[0], x.shape[1], k, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    ws = torch.empty(max(1, topk_abi.workspace_bytes(x.shape[0], x.shape[1], k, chunks)), dtype=torch.uint8, device=DEV)
     a = topk_abi.make_args(x, k, ctx.contiguous() if ctx is not None else None, kw.get("next_n", 1), ks, ke,
                            kw.get("relative", False), out, workspace=ws, chunks=chunks)
     rc = topk_abi.call(lib, a, torch.cuda.current_stream().cuda_stream)

@@ -13,6 +13,7 @@ from ..reference.topk import DECODE_1D, DECODE_2D, PREFILL, span_form  # noqa: F
 
 DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4}  # row16.cuh DType
 MAX_SORT = 4096   # DSQ_TOPK_MAX_SORT
+MAX_CHUNKS = 8    # kMaxChunks of kernels/cuda/topk.cu
 
 
 class DsqTopkArgs(ctypes.Structure):
@@ -45,9 +46,17 @@ def workspace_bytes(rows: int, L: int, k: int, chunks: int) -> int:
     return 2 * 4 * rows * chunks * min(k, chunk_len)
 
 
+def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
+    """Mirror of dsq_topk_plan_chunks."""
+    if rows <= 0 or rows >= sms or k <= 0 or L < 8 * k:
+        return 1
+    return max(1, min(sms // rows, MAX_CHUNKS, L // (4 * k)))
+
+
 def make_args(logits, k, context_lens, next_n, ks, ke, relative, out, workspace=None, chunks=0) -> DsqTopkArgs:
     """DsqTopkArgs for one call (arguments as dsaquant.topk_indices validated them; index tensors contiguous).
-    `workspace`: a byte tensor for the two-stage form, or None; `chunks` <= 0 lets the launcher choose."""
+    `workspace`: a byte tensor for the two-stage form, or None; `chunks`: blocks per row (plan_chunks; <= 1 one
+    stage)."""
     idx = context_lens if context_lens is not None else ks
     ptr = (lambda t: t.data_ptr() if t is not None else None)
     return DsqTopkArgs(
