@@ -1,7 +1,7 @@
 // kernels/cuda/topk.cu: top-k positions per row of a logits matrix (docs/topk.md), byte-identical to the
 // reference (python/dsaquant/reference/topk.py) and the Triton kernel.
 //
-// One block of 1024 threads per row (or per row chunk, see below):
+// One block of 1024 threads (256 on AMD) per row (or per row chunk, see below):
 //   * Keys: each value becomes the order key, a uint32 that compares like the float (-0.0 taken as +0.0),
 //     0 for NaN, -inf and positions outside the row's span.
 //   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
@@ -25,7 +25,11 @@
 
 namespace {
 
+#if defined(__HIP__)
+constexpr int kThreads = 256;                  // AMD: the project's block size (four wave64 waves)
+#else
 constexpr int kThreads = 1024;
+#endif
 constexpr int kWarps = kThreads / 32;           // 32-lane groups (explicit shuffle width: wave64 too)
 constexpr int kItems = 4;                      // consecutive keys per thread in the compaction
 constexpr int kTile = kThreads * kItems;
@@ -131,13 +135,13 @@ __device__ __forceinline__ unsigned long long scan_block_exclusive(unsigned long
   if (lane == 31) sh.warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    unsigned long long w = sh.warp_sums[lane];
+    unsigned long long w = lane < kWarps ? sh.warp_sums[lane] : 0ull;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
       const unsigned long long t = __shfl_up_sync(0xFFFFFFFFu, w, off, 32);
       if (lane >= off) w += t;
     }
-    sh.warp_sums[lane] = w;   // inclusive over warps
+    if (lane < kWarps) sh.warp_sums[lane] = w;   // inclusive over warps
   }
   __syncthreads();
   const unsigned long long before = warp ? sh.warp_sums[warp - 1] : 0ull;
@@ -186,7 +190,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const DsqTopkArgs a, 
     const int shift = 24 - 8 * p;
     for (int b = tid; b < kCopies * kBins; b += kThreads) sh.hist[b / kBins][b % kBins] = 0;
     __syncthreads();
-    for (int32_t i = tid; i < s.n; i += kThreads) {
+#pragma unroll 4
+    for (int32_t i = tid; i < s.n; i += kThreads) {   // unrolled: several loads in flight per thread
       uint32_t key;
       int32_t pos;
       element<DT, kCands>(s, i, key, pos);
