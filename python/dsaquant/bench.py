@@ -197,6 +197,8 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
             bench_case(label, T, op, fn, make, nbytes, heads)
     for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
         bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None)
+    from .bench_topk import topk_rows
+    rows += topk_rows(backends, bw, log=log)
     scorer_rows, tc = [], {}
     if scorer:
         from . import bench_scorer

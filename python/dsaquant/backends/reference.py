@@ -9,3 +9,5 @@ register("reference", "paged_mqa_logits", scorer.paged_mqa_logits)
 from ..reference import compress  # noqa: E402  SPEC §7.6-§7.7
 register("reference", "compress_kv", compress.compress_kv)
 register("reference", "rope_rotate_quant", compress.rope_rotate_quant)
+from ..reference import topk  # noqa: E402  docs/topk.md
+register("reference", "topk_indices", topk.topk_indices)

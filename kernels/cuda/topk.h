@@ -1,0 +1,55 @@
+/* kernels/cuda/topk.h: the C ABI of the CUDA top-k selection (docs/topk.md), kernels/cuda/topk.cu.
+ *
+ * Plain C, includable by a host compiler: the Python mirror (python/dsaquant/backends/topk_abi.py) and a
+ * host test (tests/test_topk_abi.py) hold the field offsets equal. Pointers are raw device pointers;
+ * dtype codes are kernels/cuda/row16.cuh's DType (0 fp32, 1 bf16, 2 fp16, 3 int32, 4 int64). */
+#ifndef DSQ_TOPK_H
+#define DSQ_TOPK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { DSQ_TOPK_DECODE_1D = 0, DSQ_TOPK_DECODE_2D = 1, DSQ_TOPK_PREFILL = 2 };  /* span forms */
+enum { DSQ_TOPK_MAX_SORT = 4096 };   /* largest min(k, L) rounded up to a power of two */
+
+typedef struct DsqTopkArgs {
+  const void* logits;        /* [rows, L], row stride `row_stride` elements, dtype `logits_dtype` (0, 1, 2) */
+  const void* context_lens;  /* decode: [B] (form 0) or [B * next_n] (form 1), dtype `index_dtype`; else NULL */
+  const void* ks;            /* prefill: [rows], dtype `index_dtype`; else NULL */
+  const void* ke;            /* prefill: [rows]; else NULL */
+  int32_t* out;              /* [rows, k], contiguous */
+  void* workspace;           /* scratch of the two-stage form (dsq_topk_workspace_bytes); may be NULL */
+  int64_t workspace_bytes;   /* bytes at `workspace` */
+  int64_t rows;
+  int64_t L;                 /* positions per row, < 2^31 */
+  int64_t row_stride;        /* elements between rows */
+  int64_t k;                 /* >= 1 */
+  int32_t next_n;            /* >= 1 (decode) */
+  int32_t form;              /* DSQ_TOPK_* */
+  int32_t logits_dtype;
+  int32_t index_dtype;       /* 3 int32, 4 int64 */
+  int32_t relative;          /* nonzero: positions minus the row's clamped start */
+  int32_t chunks;            /* blocks per row: <= 1 one stage; > 1 two stages (dsq_topk_plan_chunks) */
+} DsqTopkArgs;
+
+/* Launches the selection on `stream` (a cudaStream_t). Returns a cudaError_t code: cudaSuccess (0), or
+ * cudaErrorInvalidValue (1) for bad arguments (codes, sizes, min(k, L) > DSQ_TOPK_MAX_SORT), checked before
+ * anything is launched. A two-stage plan whose workspace does not fit runs as one stage instead. */
+int dsq_topk_indices(const DsqTopkArgs* a, void* stream);
+
+/* Bytes of workspace the two-stage form with `chunks` blocks per row needs (0 for chunks <= 1). */
+int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunks);
+
+/* Blocks per row for a device with `sms` multiprocessors: 1 unless the rows are fewer than the SMs and at least
+ * 8k long; then as many as keep every block in one wave, at most 8, and chunks of at least 4k. Host only. */
+int32_t dsq_topk_plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DSQ_TOPK_H */

@@ -1,0 +1,75 @@
+"""The Python side of kernels/cuda/topk.h: `DsqTopkArgs` as a ctypes.Structure (field for field, the
+offsets held equal to the C header's by tests/test_topk_abi.py) and `make_args`, which fills it from
+dsaquant.topk_indices' validated arguments. Loading the compiled library is the build's business; `call`
+runs `dsq_topk_indices` from any ctypes handle that exports it.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..reference.topk import DECODE_1D, DECODE_2D, PREFILL, span_form  # noqa: F401  (DSQ_TOPK_* values)
+
+DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4}  # row16.cuh DType
+MAX_SORT = 4096   # DSQ_TOPK_MAX_SORT
+MAX_CHUNKS = 8    # kMaxChunks of kernels/cuda/topk.cu
+
+
+class DsqTopkArgs(ctypes.Structure):
+    _fields_ = [
+        ("logits", ctypes.c_void_p),
+        ("context_lens", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("ke", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("L", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("next_n", ctypes.c_int32),
+        ("form", ctypes.c_int32),
+        ("logits_dtype", ctypes.c_int32),
+        ("index_dtype", ctypes.c_int32),
+        ("relative", ctypes.c_int32),
+        ("chunks", ctypes.c_int32),
+    ]
+
+
+def workspace_bytes(rows: int, L: int, k: int, chunks: int) -> int:
+    """Mirror of dsq_topk_workspace_bytes."""
+    if chunks <= 1 or rows <= 0 or L <= 0 or k <= 0:
+        return 0
+    chunk_len = -(-L // chunks)
+    return 2 * 4 * rows * chunks * min(k, chunk_len)
+
+
+def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
+    """Mirror of dsq_topk_plan_chunks."""
+    if rows <= 0 or rows >= sms or k <= 0 or L < 8 * k:
+        return 1
+    return max(1, min(sms // rows, MAX_CHUNKS, L // (4 * k)))
+
+
+def make_args(logits, k, context_lens, next_n, ks, ke, relative, out, workspace=None, chunks=0) -> DsqTopkArgs:
+    """DsqTopkArgs for one call (arguments as dsaquant.topk_indices validated them; index tensors contiguous).
+    `workspace`: a byte tensor for the two-stage form, or None; `chunks`: blocks per row (plan_chunks; <= 1 one
+    stage)."""
+    idx = context_lens if context_lens is not None else ks
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    return DsqTopkArgs(
+        logits=logits.data_ptr(), context_lens=ptr(context_lens), ks=ptr(ks), ke=ptr(ke), out=out.data_ptr(),
+        workspace=ptr(workspace), workspace_bytes=0 if workspace is None else workspace.numel(),
+        rows=logits.shape[0], L=logits.shape[1], row_stride=logits.stride(0) if logits.shape[0] else logits.shape[1],
+        k=k, next_n=next_n, form=span_form(context_lens, ks), logits_dtype=DTYPE[logits.dtype],
+        index_dtype=DTYPE[idx.dtype], relative=int(bool(relative)), chunks=int(chunks))
+
+
+def call(lib, args: DsqTopkArgs, stream: int) -> int:
+    """lib.dsq_topk_indices(&args, stream): the cudaError_t code (0 = success)."""
+    fn = lib.dsq_topk_indices
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(DsqTopkArgs), ctypes.c_void_p]
+    return fn(ctypes.byref(args), ctypes.c_void_p(stream))

@@ -1,0 +1,93 @@
+"""kernels/cuda/topk.cu (docs/topk.md) builds with nvcc and the project's flags (tools/build_native.py
+nvcc_flags: --fmad=false, -fvisibility=hidden) for sm_90a and sm_100a, without warnings, spills or stack
+frames, and a shared library of it exports exactly its C interface (kernels/cuda/topk.h). Its host-only
+functions run here (no GPU): the plan and workspace size equal the Python mirrors
+(dsaquant.backends.topk_abi), and bad arguments are refused before any CUDA call."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import build_native as bn  # noqa: E402
+
+NVCC = bn.find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin)")
+TU = REPO / "kernels" / "cuda" / "topk.cu"
+
+
+@pytest.fixture(scope="module", params=["90a", "100a"])
+def built(request, tmp_path_factory):
+    pytest.importorskip("pybind11")
+    arch = request.param
+    out = tmp_path_factory.mktemp(f"topk_{arch}")
+    flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
+    so = out / "libtopk.so"
+    cmd = [NVCC, *flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-shared", str(TU),
+           "-o", str(so)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+    return arch, so, res.stderr
+
+
+def test_no_warnings_spills_or_stack(built):
+    arch, _, log = built
+    assert "warning" not in log.lower().replace("ptxas info", ""), log
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(frames) >= 9, log                      # 3 logits dtypes x 3 stages
+    assert all(f == ("0", "0", "0") for f in frames), f"sm_{arch}: {frames}"
+
+
+def test_exports_only_the_c_interface(built):
+    _, so, _ = built
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm not found")
+    syms = subprocess.run([nm, "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout
+    names = {line.split()[-1] for line in syms.splitlines() if " T " in line}
+    assert {"dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"} <= names, names
+    assert not [n for n in names if "topk_kernel" in n], names
+
+
+def test_host_functions_match_the_mirror(built):
+    import ctypes
+
+    import torch
+
+    from dsaquant.backends import topk_abi
+    _, so, _ = built
+    lib = ctypes.CDLL(str(so))
+    plan, ws = lib.dsq_topk_plan_chunks, lib.dsq_topk_workspace_bytes
+    plan.restype, ws.restype = ctypes.c_int32, ctypes.c_int64
+    plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    ws.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    for rows in (0, 1, 4, 16, 64, 131, 132, 500):
+        for L in (0, 100, 16384, 65536, 163840):
+            for k in (1, 512, 2048, 5000):
+                for sms in (78, 132, 304):
+                    assert plan(rows, L, k, sms) == topk_abi.plan_chunks(rows, L, k, sms), (rows, L, k, sms)
+                for chunks in (0, 1, 3, 8):
+                    assert ws(rows, L, k, chunks) == topk_abi.workspace_bytes(rows, L, k, chunks)
+    assert plan(64, 65536, 2048, 132) == 2 and plan(4, 163840, 2048, 132) == 8
+    # refused before any CUDA call: no device is touched here
+    x = torch.zeros(4, 10)
+    ks = torch.zeros(4, dtype=torch.int32)
+    out = torch.zeros(4, 5, dtype=torch.int32)
+    good = dict(logits=x, k=5, context_lens=None, next_n=1, ks=ks, ke=ks, relative=False, out=out)
+    for field, value in (("k", 0), ("form", 7), ("logits_dtype", 9), ("index_dtype", 0), ("next_n", 0),
+                         ("rows", -1), ("L", 1 << 31), ("ks", None), ("chunks", 5000)):
+        a = topk_abi.make_args(**good)
+        setattr(a, field, value)
+        assert topk_abi.call(lib, a, 0) == 1, field
+    a = topk_abi.make_args(**good)
+    a.k, a.L, a.row_stride = 10000, 9000, 9000       # min(k, L) = 9000 rounds up past DSQ_TOPK_MAX_SORT
+    assert topk_abi.call(lib, a, 0) == 1
+    a = topk_abi.make_args(**good)
+    a.rows = 0
+    assert topk_abi.call(lib, a, 0) == 0             # nothing to do, nothing launched
