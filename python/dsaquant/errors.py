@@ -14,9 +14,11 @@ import torch
 
 SLOT_OUT_OF_RANGE = 1
 POSITION_OUT_OF_RANGE = 2
+PAGE_OUT_OF_RANGE = 4
 MESSAGES = {
     SLOT_OUT_OF_RANGE: "a slot id at or past the cache's capacity was skipped (nothing was written for it)",
     POSITION_OUT_OF_RANGE: "a position outside [0, max_pos) of the RoPE table was clamped into it (SPEC §7.5)",
+    PAGE_OUT_OF_RANGE: "a gathered key had no valid page (outside the block table or the cache): zeros were written",
 }
 
 _lock = threading.Lock()

@@ -9,3 +9,6 @@ register("reference", "paged_mqa_logits", scorer.paged_mqa_logits)
 from ..reference import compress  # noqa: E402  SPEC §7.6-§7.7
 register("reference", "compress_kv", compress.compress_kv)
 register("reference", "rope_rotate_quant", compress.rope_rotate_quant)
+from ..reference import prefill  # noqa: E402  docs/prefill.md
+for _name, _fn in prefill.OPS.items():
+    register("reference", _name, _fn)
