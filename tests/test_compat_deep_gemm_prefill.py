@@ -26,7 +26,8 @@ def test_fp8_full_and_compressed():
     ks, ke = (t.to(torch.int32) for t in RANGES)
     vals, mag = oracle(a, "fp8")
     got = dg.fp8_mqa_logits(a["q"], (a["k"], a["k_scale"]), a["weights"], ks, ke)
-    check_close(got, expected_layout(vals, ks, ke, 80), expected_layout(mag, ks, ke, 80).clamp_min(0).nan_to_num(0, 0, 0))
+    check_close(got, expected_layout(vals, ks, ke, 80),
+                expected_layout(mag, ks, ke, 80).clamp_min(0).nan_to_num(0, 0, 0))
     comp = dg.fp8_mqa_logits(a["q"], (a["k"], a["k_scale"]), a["weights"], ks, ke, False, 24)
     want = expected_layout(vals, ks, ke, 80, 24)
     fin = torch.isfinite(want)
@@ -45,7 +46,8 @@ def test_fp4_int32_words_and_bf16():
     kw = a["k_scale"].view(torch.int32).reshape(-1)
     vals, mag = oracle(a, "fp4")
     got = dg.fp8_fp4_mqa_logits((a["q"], qw), (a["k"], kw), a["weights"], ks, ke)
-    check_close(got, expected_layout(vals, ks, ke, 80), expected_layout(mag, ks, ke, 80).clamp_min(0).nan_to_num(0, 0, 0))
+    check_close(got, expected_layout(vals, ks, ke, 80),
+                expected_layout(mag, ks, ke, 80).clamp_min(0).nan_to_num(0, 0, 0))
     bf = dg.fp8_fp4_mqa_logits((a["q"].view(torch.int8), qw), (a["k"], kw), a["weights"], ks, ke,
                                logits_dtype=torch.bfloat16)
     assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
