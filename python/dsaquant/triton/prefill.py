@@ -157,13 +157,10 @@ def _mqa_logits_kernel(
     qe3 = tl.zeros((R,), tl.int32)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
-        qc = tl.load(q_ptr + qrow[:, None] * 128 + d[None, :], mask=r_ok[:, None], other=0)
-        if FP8_NATIVE:
-            if FNUZ:
-                qT0 = tl.trans(qc.to(tl.float8e4b8, bitcast=True))
-            else:
-                qT0 = tl.trans(qc.to(tl.float8e4nv, bitcast=True))
+        if FP8_NATIVE:      # q_ptr and k_ptr are fp8 pointers: the tiles go to the dot without a conversion
+            qT0 = tl.trans(tl.load(q_ptr + qrow[:, None] * 128 + d[None, :], mask=r_ok[:, None], other=0.0))
         else:
+            qc = tl.load(q_ptr + qrow[:, None] * 128 + d[None, :], mask=r_ok[:, None], other=0)
             qT0 = tl.trans(_operand(_fp8_decode(qc, FNUZ), DOT_F32))
     elif LAYOUT == 1:
         col = tl.arange(0, 64)
@@ -258,15 +255,12 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok,
     krow = j.to(tl.int64)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
-        kc = tl.load(k_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0)
         k_scale = tl.load(kf_ptr + krow, mask=j_ok, other=0.0)
         if FP8_NATIVE:
-            if FNUZ:
-                kf = kc.to(tl.float8e4b8, bitcast=True)
-            else:
-                kf = kc.to(tl.float8e4nv, bitcast=True)
+            kf = tl.load(k_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0.0)
             acc = tl.dot(kf, qT0, max_num_imprecise_acc=IMPRECISE)
         else:
+            kc = tl.load(k_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0)
             acc = _dot_any(_operand(_fp8_decode(kc, FNUZ), DOT_F32), qT0, tl.zeros((BLOCK_KV, R), tl.float32),
                            DOT_F32)
         v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
@@ -311,20 +305,36 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def kernel_config(layout_id: int, H: int) -> tuple[int, int, int, int]:
+    """(rows per program, keys per tile, warps, stages) of the GPU launch, chosen from the sm_90 compiles of
+    tests/test_triton_prefill_aot.py (no register spills at H = 64): FP8 128 query rows (rows x heads) against
+    128-key tiles in 4 warps, so that two programs per SM overlap one's MMA with the other's epilogue (64 rows
+    below H = 64, 8 warps at H = 128); FP4 fast 128 x 64 in 8 warps; exact FP4 64 x 64 in 8 warps (its
+    per-block epilogue holds four [keys, rows] tiles)."""
+    if layout_id == 0:
+        qrows, bkv, warps, stages = (128 if H >= 64 else 64), 128, (8 if H >= 128 else 4), 3
+    elif layout_id == 1:
+        qrows, bkv, warps, stages = 128, 64, 8, 2
+    else:
+        qrows, bkv, warps, stages = 64, 64, 8, 2
+    return max(1, qrows // H), bkv, warps, stages
+
+
 def default_config(S: int, SKV: int, H: int, layout_id: int, device: torch.device) -> dict:
     """block_q (rows per program), block_kv, tiles_per_prog, num_warps, num_stages for one problem."""
     interp = _interpreting() or device.type != "cuda"
     if interp:
         return dict(block_q=2, block_kv=16, tiles_per_prog=2, num_warps=4, num_stages=1)
-    bq = max(1, 128 // H) if layout_id != 2 else max(1, 64 // H)
-    bkv = 128 if layout_id == 0 else 64
+    bq, bkv, warps, stages = kernel_config(layout_id, H)
+    if getattr(torch.version, "hip", None):
+        stages = min(stages, 2)
     num_tiles = _cdiv(SKV, bkv)
     sms = _device_info(_dev_index(device))[3]
     progs_rows = _cdiv(S, bq)
-    # enough key splits to give every SM a few programs, but whole key ranges where the rows suffice
+    # key splits only where the row blocks alone leave SMs idle (a split re-reads the program's q rows)
     splits = max(1, min(num_tiles, _cdiv(sms * 4, progs_rows)))
     tpp = _cdiv(num_tiles, splits)
-    return dict(block_q=bq, block_kv=bkv, tiles_per_prog=tpp, num_warps=8, num_stages=3 if layout_id == 0 else 2)
+    return dict(block_q=bq, block_kv=bkv, tiles_per_prog=tpp, num_warps=warps, num_stages=stages)
 
 
 def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
@@ -358,6 +368,9 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     native = layout == "fp8" and (native_fp8_for(dev, fp8_flavour or "e4m3fn") if fp8_dot is None else bool(fp8_dot))
     dot_int = (not interp) if int_dot is None else bool(int_dot)
     if layout == "fp8":
+        if native:
+            fp8_dtype = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+            q, k = q.view(fp8_dtype), k.view(fp8_dtype)
         kf, qs = k_scale, q
     else:
         kf = k_scale.contiguous().view(torch.int32).reshape(SKV)
@@ -482,3 +495,49 @@ def gather_index_cache(kv_cache, kv_cache_scale, block_table, cu_seqlens, layout
 
 
 OPS = {"mqa_logits": mqa_logits, "mqa_topk": mqa_topk, "gather_index_cache": gather_index_cache}
+
+
+# ------------------------------------------------------------------------------------------------
+# AOT compilation (tests/test_triton_prefill_aot.py)
+# ------------------------------------------------------------------------------------------------
+def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=False, fnuz=False, int_dot=True,
+                block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False, w_dtype="fp32",
+                num_warps=None, num_stages=None):
+    """Compile the mqa_logits kernel for a GPUTarget without a GPU (the launcher's default block sizes unless
+    given). Returns the CompiledKernel."""
+    from triton.compiler import ASTSource
+    lid = 2 if (layout == "fp4" and exact) else LAYOUT_IDS[layout]
+    bq_default, bkv_default, warps, stages = kernel_config(lid, H)
+    bq = block_q or bq_default
+    bkv = block_kv or bkv_default
+    fp8 = lid == 0
+    f8 = ("*fp8e4b8" if fnuz else "*fp8e4nv") if (fp8 and fp8_native) else "*u8"
+    sig = {"q_ptr": f8, "qs_ptr": f8 if fp8 else "*i32", "k_ptr": f8, "kf_ptr": "*fp32" if fp8 else "*i32",
+           "w_ptr": f"*{w_dtype}", "lo_ptr": "*i32", "hi_ptr": "*i32", "base_ptr": "*i32",
+           "out_ptr": "*bf16" if out_bf16 else "*fp32", "S": "i32", "SKV": "i32", "W": "i32", "tiles_per_prog": "i32",
+           "stride_w": "i32", "stride_out": "i32"}
+    cx = dict(H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=bool(fp8_native and fp8), FNUZ=bool(fnuz and fp8),
+              DOT_F32=False, DOT_INT=bool(int_dot), IMPRECISE=32, CLEAN=bool(clean), COMPRESSED=bool(compressed),
+              FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0)
+    names = list(sig)
+    sig.update({k: "constexpr" for k in cx})
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    src = ASTSource(fn=_mqa_logits_kernel, signature=sig, constexprs=cx, attrs=attrs)
+    opts = dict(num_warps=num_warps or warps, num_stages=num_stages or (min(stages, 2) if target.backend == "hip"
+                                                                        else stages))
+    return triton.compile(src, target=target, options=opts)
+
+
+def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
+    """Compile the gather kernel for a GPUTarget without a GPU."""
+    from triton.compiler import ASTSource
+    sig = {"kv_ptr": "*u8", "kvs_ptr": "*u8", "bt_ptr": f"*{bt_dtype}", "cu_ptr": f"*{cu_dtype}", "out_ptr": "*u8",
+           "outs_ptr": "*u8", "flag_ptr": "*i32", "T": "i32", "B": "i32", "nblk": "i32", "num_pages": "i32",
+           "stride_bt": "i32"}
+    cx = dict(PAGE=page_size, LAYOUT={"fp8_132": 0, "packed68": 1, "aiter_fp4": 2}[layout],
+              PRESHUFFLE=bool(preshuffle), BLOCK_T=32, SEARCH_STEPS=4, FLAG_CODE=4)
+    names = list(sig)
+    sig.update({k: "constexpr" for k in cx})
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    src = ASTSource(fn=_gather_kernel, signature=sig, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
