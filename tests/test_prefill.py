@@ -480,3 +480,23 @@ def triton_results():
 @pytest.mark.parametrize("case_id", sorted(TRITON_CASES))
 def test_triton_interpreter(triton_results, case_id):
     assert triton_results[case_id] == "", triton_results[case_id]
+
+
+def test_custom_ops_opcheck_and_compile():
+    from dsaquant import prefill as P
+    a = make("fp4")
+    lo, hi = P._ranges(*RANGES, 80)
+    base = torch.zeros(6, dtype=torch.int32)
+    args = (a["q"], a["q_scale"], a["k"], a["k_scale"], a["weights"], lo, hi, base)
+    torch.library.opcheck(P._logits_op, (*args, torch.empty(6, 80), "fp4", "e4m3fn", True, True, False, "reference"))
+    torch.library.opcheck(P._topk_op, (*args, 8, "fp4", "e4m3fn", True, "reference"))
+    g = make_gather("packed68")
+    torch.library.opcheck(P._gather_op, (g["cache"], None, g["table"], g["cu"], "packed68", 16, False,
+                                         torch.empty(58, 64, dtype=torch.uint8), torch.empty(58, 4, dtype=torch.uint8),
+                                         torch.zeros(1, dtype=torch.int32), "reference"))
+    f = torch.compile(lambda q, k, w: dsaquant.mqa_topk(q, k, w, RANGES[0], RANGES[1], 8, layout="fp4",
+                                                        q_scale=a["q_scale"], k_scale=a["k_scale"], exact=True),
+                      fullgraph=True, backend="aot_eager")
+    want = dsaquant.mqa_topk(a["q"], a["k"], a["weights"], *RANGES, 8, layout="fp4", q_scale=a["q_scale"],
+                             k_scale=a["k_scale"], exact=True)
+    assert torch.equal(f(a["q"], a["k"], a["weights"]), want)

@@ -394,7 +394,7 @@ def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_fl
     Memory: S*topk*8 bytes of running keys plus the workspace and the merge's [row_chunk, key_chunk + topk]."""
     S, H, SKV = q.shape[0], q.shape[1], k.shape[0]
     dev = q.device
-    C = int(key_chunk or min(max(SKV, 1), 8192))
+    C = int(key_chunk or min(max(SKV, 1), 32768))
     Rc = int(row_chunk or max(1, min(S, (1 << 24) // (C + topk))))
     ws = torch.empty((Rc, C), dtype=torch.float32, device=dev)
     zeros = torch.zeros(Rc, dtype=torch.int32, device=dev)
