@@ -26,14 +26,14 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # =====================================================================================================
 # inputs and the plain-torch oracle
 # =====================================================================================================
-def make(layout, S=6, H=16, SKV=80, seed=0, exp_lo=120, exp_hi=130):
+def make(layout, S=6, H=16, SKV=80, seed=0, exp_lo=120, exp_hi=130, fp8_dtype=torch.float8_e4m3fn):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(S, H, generator=g)
     if layout == "fp8":
-        def codes(*shape):   # never NaN: magnitude codes 0..0x6F, random sign
-            return torch.randint(0, 0x70, shape, generator=g, dtype=torch.uint8) | \
+        def codes(*shape):   # never NaN: magnitude codes 1..0x6F (0x80 is e4m3fnuz's NaN), random sign
+            return torch.randint(1, 0x70, shape, generator=g, dtype=torch.uint8) | \
                 (torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7)
-        return dict(q=codes(S, H, 128).view(torch.float8_e4m3fn), k=codes(SKV, 128).view(torch.float8_e4m3fn),
+        return dict(q=codes(S, H, 128).view(fp8_dtype), k=codes(SKV, 128).view(fp8_dtype),
                     k_scale=torch.rand(SKV, generator=g) * 0.02 + 0.01, weights=w)
     return dict(q=torch.randint(0, 256, (S, H, 64), generator=g, dtype=torch.uint8),
                 q_scale=torch.randint(exp_lo, exp_hi, (S, H, 4), generator=g, dtype=torch.uint8),
@@ -55,8 +55,9 @@ def oracle(a, layout):
     """(logits, magnitude) float64 [S, SKV]: sum_h w relu(q . k) (times k_scale) and sum_h |w| sum_d |q k|."""
     w = a["weights"].to(torch.float64)
     if layout == "fp8":
-        q = a["q"].view(torch.float8_e4m3fn).to(torch.float64)
-        k = a["k"].view(torch.float8_e4m3fn).to(torch.float64)
+        dt = a["q"].dtype if a["q"].dtype != torch.uint8 else torch.float8_e4m3fn
+        q = a["q"].view(dt).to(torch.float64)
+        k = a["k"].view(dt).to(torch.float64)
         ks = a["k_scale"].to(torch.float64)
     else:
         qs = a["q_scale"] if a["q_scale"].dtype == torch.uint8 else a["q_scale"].view(torch.uint8).reshape(
@@ -155,6 +156,8 @@ TRITON_CASES = {
     "fp8-compressed": dict(layout="fp8", W=24),
     "fp8-noclean": dict(layout="fp8", clean=False),
     "fp8-bf16": dict(layout="fp8", bf16=True),
+    "fp8-native-dot": dict(layout="fp8", fp8_dot=True),
+    "fp8-fnuz": dict(layout="fp8", fnuz=True),
     "fp4-full": dict(layout="fp4"),
     "fp4-compressed-int32-exps": dict(layout="fp4", W=24, int32=True),
     "fp4-H32": dict(layout="fp4", H=32),
@@ -188,7 +191,8 @@ def run_triton_case(c):
         assert all(torch.equal(x, y) for x, y in zip(res["reference"][0], res["triton"][0])), "gather bytes differ"
         assert res["reference"][1] and res["triton"][1], "bad pages not flagged"
         return
-    a = make(c["layout"], H=c.get("H", 16), exp_lo=c.get("exp_lo", 120), exp_hi=c.get("exp_hi", 130))
+    a = make(c["layout"], H=c.get("H", 16), exp_lo=c.get("exp_lo", 120), exp_hi=c.get("exp_hi", 130),
+             fp8_dtype=torch.float8_e4m3fnuz if c.get("fnuz") else torch.float8_e4m3fn)
     if c.get("int32"):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])
         a["k_scale"] = a["k_scale"].view(torch.int32).reshape(-1)
@@ -208,6 +212,15 @@ def run_triton_case(c):
         o = None
         if not kw["clean_logits"]:
             o = torch.full((a["q"].shape[0], kw["max_seqlen_k"] or a["k"].shape[0]), 12345.0)
+        if be == "triton" and c.get("fp8_dot"):      # the native fp8 x fp8 dot, forced (the CPU has none)
+            from dsaquant import prefill as P
+            from dsaquant.triton import prefill as TP
+            lo, hi = P._ranges(ks, ke, a["k"].shape[0])
+            o = torch.empty(a["q"].shape[0], a["k"].shape[0])
+            outs[be] = TP.mqa_logits(a["q"].view(torch.uint8), None, a["k"].view(torch.uint8), a["k_scale"],
+                                     a["weights"], lo, hi, torch.zeros_like(lo), o, "fp8", "e4m3fn", False, True,
+                                     False, fp8_dot=True)
+            continue
         outs[be] = dsaquant.mqa_logits(ks=ks, ke=ke, out=o, backend=be, **kw, **a)
     ref, tri = outs["reference"], outs["triton"]
     if exact:
@@ -349,6 +362,20 @@ def test_nan_logits_and_empty_inputs():
     e = make("fp8", S=0)
     assert dsaquant.mqa_logits(ks=torch.zeros(0, dtype=torch.int32), ke=torch.zeros(0, dtype=torch.int32),
                                **e).shape == (0, 80)
+    z = make("fp8", S=2, SKV=0)
+    got = dsaquant.mqa_logits(ks=torch.tensor([0, 1]), ke=torch.tensor([5, 5]), max_seqlen_k=3, **z)
+    assert got.shape == (2, 3) and bool(torch.isneginf(got).all())
+    assert dsaquant.mqa_topk(ks=torch.tensor([0, 1]), ke=torch.tensor([5, 5]), topk=2, **z).tolist() == [[-1, -1]] * 2
+
+
+def test_fnuz_flavour_and_mixed_flavours():
+    a = make("fp8", fp8_dtype=torch.float8_e4m3fnuz)
+    vals, mag = oracle(a, "fp8")
+    got = dsaquant.mqa_logits(ks=RANGES[0], ke=RANGES[1], **a)
+    check_close(got, expected_layout(vals, *RANGES, 80), expected_layout(mag, *RANGES, 80).clamp_min(0)
+                .nan_to_num(0, 0, 0))
+    with pytest.raises(TypeError, match="flavour"):
+        dsaquant.mqa_logits(ks=RANGES[0], ke=RANGES[1], **dict(a, k=a["k"].view(torch.float8_e4m3fn)))
 
 
 def test_exact_mode_against_fractions():
