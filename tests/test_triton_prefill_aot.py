@@ -1,6 +1,7 @@
 """The Triton prefill kernels (mqa_logits in every layout and mode, gather_index_cache) compile without a GPU
 for sm_90, sm_100, gfx942 and gfx950 (triton.compile + GPUTarget) with the launcher's default block sizes, and
-use the target's matrix instructions: the fp8 MMA for native FP8, the int8 MMA for the exact FP4 mode.
+use the target's matrix instructions: the fp8 MMA for native FP8, the int8 MMA for the exact FP4 mode (whose
+code must hold no fused multiply-add).
 
 The compiles run in one subprocess per target with TRITON_INTERPRET unset (triton.jit decides interpreted or
 compiled at import).
@@ -55,6 +56,8 @@ for name, kw, want in configs:
         asm = k.asm.get("ptx") or k.asm.get("amdgcn") or ""
         res["binary"] = bool(k.asm.get("cubin") or k.asm.get("hsaco"))
         res["mma"] = bool(re.search({"fp8": fp8_re, "int8": int8_re, "dot": dot_re}[want], asm))
+        if want == "int8":   # the exact mode: no FMA, and (PTX) no mul/add without .rn, which ptxas may contract
+            res["fma"] = re.findall(r"\bfma\.\w+\.f32|\b(?:mul|add|sub)\.f32\b|v_fma_f32|v_fmac_f32|v_pk_fma_f32", asm)
         res["ok"] = True
     except Exception as e:
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
@@ -97,3 +100,4 @@ def test_prefill_kernels_compile(name):
     for x in results:
         assert x["binary"], f"no binary for {x['name']}"
         assert x["mma"], f"no expected matrix instruction in {x['name']}"
+        assert not x.get("fma"), f"FMA in the exact kernel {x['name']}: {x['fma'][:3]}"

@@ -17,7 +17,8 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
-    reference/prefill.py and src/include/dsaquant/exact_dot.h: identical bytes.
+    reference/prefill.py and src/include/dsaquant/exact_dot.h: identical bytes. Launched with
+    enable_fp_fusion=False (no FMA contraction of the weight products into the head sum, SPEC §0.1).
 
 Accuracy of the fast modes (the reference sums in another order): with
 mag = sum_h |w_h| * sum_d |q_hd k_jd| (times |k_scale_j| for FP8), |triton - reference| <= 3e-5 * mag
@@ -383,7 +384,8 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
         H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp, DOT_INT=dot_int,
         IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
         FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind,
-        STATIC_TILES=tpp if interp else 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        STATIC_TILES=tpp if interp else 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
     return out
 
 
@@ -524,7 +526,7 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
     src = ASTSource(fn=_mqa_logits_kernel, signature=sig, constexprs=cx, attrs=attrs)
     opts = dict(num_warps=num_warps or warps, num_stages=num_stages or (min(stages, 2) if target.backend == "hip"
-                                                                        else stages))
+                                                                        else stages), enable_fp_fusion=lid != 2)
     return triton.compile(src, target=target, options=opts)
 
 
