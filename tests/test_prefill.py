@@ -41,6 +41,31 @@ def make(layout, S=6, H=16, SKV=80, seed=0, exp_lo=120, exp_hi=130, fp8_dtype=to
                 k_scale=torch.randint(exp_lo, exp_hi, (SKV, 4), generator=g, dtype=torch.uint8), weights=w)
 
 
+def mixed_exponents(n, g):
+    """Key exponent bytes uint8 [n, 4] by row class: 70 % normal (110..139), 8 % with one block's byte 0
+    (scale 0), 2 % with one byte 255 (NaN scale), 10 % 1..3 (products in the subnormals, against query
+    exponents 95..139), 10 % 235..254 (products near or past the fp32 maximum)."""
+    e = torch.randint(110, 140, (n, 4), generator=g, dtype=torch.uint8)
+    u = torch.rand(n, generator=g)
+    blk = torch.randint(0, 4, (n,), generator=g)
+    rows = torch.arange(n)
+    zero, nan = u < 0.08, (u >= 0.08) & (u < 0.10)
+    low, high = (u >= 0.10) & (u < 0.20), u >= 0.90
+    e[low] = torch.randint(1, 4, (int(low.sum()), 4), generator=g, dtype=torch.uint8)
+    e[high] = torch.randint(235, 255, (int(high.sum()), 4), generator=g, dtype=torch.uint8)
+    e[rows[zero], blk[zero]] = 0
+    e[rows[nan], blk[nan]] = 255
+    return e
+
+
+def mixed_q_exponents(shape, g):
+    """Query exponent bytes: 110..139, and 95..111 in every other row (with mixed_exponents' low keys the
+    logits fall into the subnormal range)."""
+    e = torch.randint(110, 140, shape, generator=g, dtype=torch.uint8)
+    e[1::2] = torch.randint(95, 112, e[1::2].shape, generator=g, dtype=torch.uint8)
+    return e
+
+
 def _fp4_values(packed, exps):
     """float64 [..., 128] from packed uint8 [..., 64] and exponent bytes [..., 4] (normal exponents)."""
     tab = torch.tensor(E2M1, dtype=torch.float64)
@@ -163,7 +188,8 @@ TRITON_CASES = {
     "fp4-H32": dict(layout="fp4", H=32),
     "exact-full": dict(layout="fp4", exact=True),
     "exact-compressed-bf16": dict(layout="fp4", exact=True, W=24, bf16=True),
-    "exact-extreme-exponents": dict(layout="fp4", exact=True, exp_lo=0, exp_hi=256),
+    "exact-mixed-exponents": dict(layout="fp4", exact=True, mixed=True),
+    "exact-H64": dict(layout="fp4", exact=True, H=64),
     "topk-fp8": dict(kind="topk", layout="fp8"),
     "topk-exact-relative": dict(kind="topk", layout="fp4", exact=True, relative=True),
     "gather-fp8_132-pre": dict(kind="gather", layout="fp8_132", pre=True),
@@ -193,6 +219,9 @@ def run_triton_case(c):
         return
     a = make(c["layout"], H=c.get("H", 16), exp_lo=c.get("exp_lo", 120), exp_hi=c.get("exp_hi", 130),
              fp8_dtype=torch.float8_e4m3fnuz if c.get("fnuz") else torch.float8_e4m3fn)
+    if c.get("mixed"):
+        a["q_scale"] = mixed_q_exponents(a["q_scale"].shape, torch.Generator().manual_seed(11))
+        a["k_scale"] = mixed_exponents(a["k"].shape[0], torch.Generator().manual_seed(12))
     if c.get("int32"):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])
         a["k_scale"] = a["k_scale"].view(torch.int32).reshape(-1)
