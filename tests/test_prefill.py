@@ -181,11 +181,13 @@ TRITON_CASES = {
     "fp8-compressed": dict(layout="fp8", W=24),
     "fp8-noclean": dict(layout="fp8", clean=False),
     "fp8-bf16": dict(layout="fp8", bf16=True),
-    "fp8-native-dot": dict(layout="fp8", fp8_dot=True),
+    "fp8-native-dot": dict(layout="fp8", knobs=dict(fp8_dot=True)),
     "fp8-fnuz": dict(layout="fp8", fnuz=True),
     "fp4-full": dict(layout="fp4"),
     "fp4-compressed-int32-exps": dict(layout="fp4", W=24, int32=True),
     "fp4-H32": dict(layout="fp4", H=32),
+    "fp4-fp8-fold": dict(layout="fp4", exp_lo=120, exp_hi=127, knobs=dict(fp4_dot="fp8")),
+    "fp4-fp8-fold-fallback": dict(layout="fp4", exp_lo=100, exp_hi=130, knobs=dict(fp4_dot="fp8")),
     "exact-full": dict(layout="fp4", exact=True),
     "exact-compressed-bf16": dict(layout="fp4", exact=True, W=24, bf16=True),
     "exact-mixed-exponents": dict(layout="fp4", exact=True, mixed=True),
@@ -241,14 +243,14 @@ def run_triton_case(c):
         o = None
         if not kw["clean_logits"]:
             o = torch.full((a["q"].shape[0], kw["max_seqlen_k"] or a["k"].shape[0]), 12345.0)
-        if be == "triton" and c.get("fp8_dot"):      # the native fp8 x fp8 dot, forced (the CPU has none)
+        if be == "triton" and c.get("knobs"):   # launcher knobs (fp8 dots the CPU has not), full layout
             from dsaquant import prefill as P
             from dsaquant.triton import prefill as TP
             lo, hi = P._ranges(ks, ke, a["k"].shape[0])
             o = torch.empty(a["q"].shape[0], a["k"].shape[0])
-            outs[be] = TP.mqa_logits(a["q"].view(torch.uint8), None, a["k"].view(torch.uint8), a["k_scale"],
-                                     a["weights"], lo, hi, torch.zeros_like(lo), o, "fp8", "e4m3fn", False, True,
-                                     False, fp8_dot=True)
+            outs[be] = TP.mqa_logits(a["q"].view(torch.uint8), a.get("q_scale"), a["k"].view(torch.uint8),
+                                     a["k_scale"], a["weights"], lo, hi, torch.zeros_like(lo), o, c["layout"],
+                                     "e4m3fn", False, True, False, **c["knobs"])
             continue
         outs[be] = dsaquant.mqa_logits(ks=ks, ke=ke, out=o, backend=be, **kw, **a)
     ref, tri = outs["reference"], outs["triton"]

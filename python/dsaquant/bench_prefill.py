@@ -15,7 +15,8 @@ from . import prefill
 
 def make_prefill_inputs(layout: str, S: int, SKV: int, H: int, *, causal: bool = False, device="cuda", seed: int = 0):
     """Random mqa_logits keyword arguments: FP8 codes without NaN (|v| <= 120), k scales in [0.01, 0.03); FP4 random
-    bytes with exponents 120..129; fp32 weights; full ranges [0, SKV), or causal ones (row i of the last S tokens
+    bytes with exponents 122..129 (a row's blocks within 8 binades, as in real keys and queries: the FP4 fast mode
+    folds them into e4m3, docs/prefill.md); fp32 weights; full ranges [0, SKV), or causal ones (row i of the last S tokens
     of an SKV-token sequence sees keys [0, SKV - S + i + 1))."""
     g = torch.Generator().manual_seed(seed)
 
@@ -28,9 +29,9 @@ def make_prefill_inputs(layout: str, S: int, SKV: int, H: int, *, causal: bool =
                  k_scale=torch.rand(SKV, generator=g) * 0.02 + 0.01)
     else:
         a = dict(q=torch.randint(0, 256, (S, H, 64), generator=g, dtype=torch.uint8),
-                 q_scale=torch.randint(120, 130, (S, H, 4), generator=g, dtype=torch.uint8),
+                 q_scale=torch.randint(122, 130, (S, H, 4), generator=g, dtype=torch.uint8),
                  k=torch.randint(0, 256, (SKV, 64), generator=g, dtype=torch.uint8),
-                 k_scale=torch.randint(120, 130, (SKV, 4), generator=g, dtype=torch.uint8))
+                 k_scale=torch.randint(122, 130, (SKV, 4), generator=g, dtype=torch.uint8))
     a["weights"] = torch.randn(S, H, generator=g)
     a["ks"] = torch.zeros(S, dtype=torch.int32)
     if causal:

@@ -65,33 +65,42 @@ def _magnitude(a, layout, W=0):
 @pytest.mark.parametrize("layout", ["fp8", "fp4"])
 @pytest.mark.parametrize("H", [32, 64])
 @pytest.mark.parametrize("W", [0, 1536])
-@pytest.mark.parametrize("fp8_dot", [None, False])
-def test_fast_mode_against_reference(layout, H, W, fp8_dot):
-    if layout == "fp4" and fp8_dot is False:
-        pytest.skip("fp8_dot only applies to FP8")
+@pytest.mark.parametrize("dot", ["default", "bf16"])
+@pytest.mark.parametrize("spread", [False, True])
+def test_fast_mode_against_reference(layout, H, W, dot, spread):
+    """dot "default": the native fp8 dot where the device has one (FP4: the tiles whose block exponents fold
+    into e4m3); "bf16": FP8 codes / FP4 values decoded exactly to bf16. spread: FP4 exponents 100..139, so
+    that most tiles cannot fold and take the bf16 dots."""
+    if layout == "fp8" and spread:
+        pytest.skip("exponent spread applies to FP4")
     S, SKV = 384, 3000
     a = make_prefill_inputs(layout, S, SKV, H, seed=H + W)
+    if spread:
+        g = torch.Generator().manual_seed(5)
+        a["q_scale"] = torch.randint(100, 140, a["q_scale"].shape, generator=g, dtype=torch.uint8).to(DEV)
+        a["k_scale"] = torch.randint(100, 140, a["k_scale"].shape, generator=g, dtype=torch.uint8).to(DEV)
     a["ks"], a["ke"] = _ranges(S, SKV, torch.Generator().manual_seed(W))
     ref = dsaquant.mqa_logits(layout=layout, max_seqlen_k=W, backend="reference", **a)
     mag = _magnitude(a, layout, W)
     from dsaquant.triton import prefill as TP
+    native = dot == "default" and TP.native_fp8_for(DEV, "e4m3fn")
     for b in _backends("mqa_logits"):
-        if fp8_dot is None:
+        if dot == "default":
             got = dsaquant.mqa_logits(layout=layout, max_seqlen_k=W, backend=b, **a)
-        elif b == "triton":       # the FP8 codes decoded to bf16 even where a native fp8 dot exists
-            got = TP.mqa_logits(*_op_args(a, layout, W), fp8_dot=False)
+        elif b == "triton":
+            knob = dict(fp8_dot=False) if layout == "fp8" else dict(fp4_dot="bf16")
+            got = TP.mqa_logits(*_op_args(a, layout, W), **knob)
         else:
             continue
         assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
         fin = torch.isfinite(ref)
         err = (got - ref).abs()
-        native = layout == "fp8" and fp8_dot is None and TP.native_fp8_for(DEV, "e4m3fn")
         if native:
             bound = 1e-3 * mag
         else:
             bound = 1e-5 * torch.where(fin, mag, 0).amax(dim=1, keepdim=True).expand_as(mag)
         worst = float((err[fin] / bound[fin].clamp_min(1e-30)).max()) if fin.any() else 0.0
-        print(f"{b} {layout} H={H} W={W} native={native}: worst error / bound = {worst:.3g}")
+        print(f"{b} {layout} H={H} W={W} dot={dot} spread={spread} native={native}: worst error / bound = {worst:.3g}")
         assert worst <= 1.0
 
 

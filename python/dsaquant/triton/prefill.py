@@ -12,8 +12,11 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     out[i, j] (full) or out[i, j - base[i]] (compressed).
   * FP8: native fp8 x fp8 dot where the device has one for the flavour (promoted to fp32 every 32
     products on sm_90), else the codes decoded exactly to bf16 (fp32 in the interpreter).
-    FP4 fast mode: values decoded to bf16 (exact: SPEC §1 values times a power of two), split into the
-    even and odd elements (two dots with K = 64).
+    FP4 fast mode: where the device has a native e4m3fn dot, tiles whose keys and query rows have their 4
+    block exponents in [64, 190] within 8 of the largest are rescaled exactly into e4m3 and run the fp8 dot
+    (then times the two powers of two of the row maxima); other tiles, and other devices: values decoded to
+    bf16 (exact: SPEC §1 values times a power of two). Either way split into the even and odd elements (two
+    dots with K = 64).
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
@@ -23,7 +26,8 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
 Accuracy of the fast modes (the reference sums in another order): with
 mag = sum_h |w_h| * sum_d |q_hd k_jd| (times |k_scale_j| for FP8), |triton - reference| <= 3e-5 * mag
 for the bf16 / fp32 dots (tests use 1e-5 relative to the largest mag of a row); a native fp8 tensor-core
-dot accumulates with reduced precision inside each 32-product step: <= 1e-3 * mag (as the scorer).
+dot (FP8, and the FP4 tiles folded into e4m3) accumulates with reduced precision inside each 32-product
+step: <= 1e-3 * mag (as the scorer).
 """
 from __future__ import annotations
 
@@ -115,6 +119,39 @@ def _operand(x, DOT_F32: tl.constexpr):
     return y
 
 
+@triton.jit
+def _fold_ok(word):
+    """int32 exponent words [N] (block j in byte j) -> (row can be rescaled exactly into e4m3, largest exponent):
+    every exponent in [64, 190] and within 8 of the largest. Then e2m1 * 2^(e_b - e_max) is an e4m3 value
+    (at least 2^-9 and a multiple of it, at most 6) and the row and key scales 2^(e_max - 127) stay in
+    [2^-63, 2^63]."""
+    e0 = word & 255
+    e1 = (word >> 8) & 255
+    e2 = (word >> 16) & 255
+    e3 = (word >> 24) & 255
+    emax = tl.maximum(tl.maximum(e0, e1), tl.maximum(e2, e3))
+    emin = tl.minimum(tl.minimum(e0, e1), tl.minimum(e2, e3))
+    return (emin >= 64) & (emax <= 190) & (emax - emin <= 8), emax
+
+
+@triton.jit
+def _fp4_rel_fp8(payload, word, emax, col):
+    """payload uint8 [N, 64], words int32 [N], emax int32 [N] -> (even, odd elements) as e4m3 values
+    e2m1 * 2^(e_b - emax), exact where _fold_ok holds."""
+    c = payload.to(tl.int32)
+    e = (word[:, None] >> ((col // 16) * 8)[None, :]) & 255
+    rel = ((e - emax[:, None] + 127) << 23).to(tl.float32, bitcast=True)
+    return (_e2m1_value(c & 15) * rel).to(tl.float8e4nv), (_e2m1_value(c >> 4) * rel).to(tl.float8e4nv)
+
+
+@triton.jit
+def _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV: tl.constexpr, R: tl.constexpr, DOT_F32: tl.constexpr):
+    """The FP4 tile's dots on exactly dequantized bf16 values (even and odd elements, K = 64 each)."""
+    k_lo, k_hi = _fp4_dequant(kp, kword, col)
+    acc = _dot_any(_operand(k_lo, DOT_F32), qT0, tl.zeros((BLOCK_KV, R), tl.float32), DOT_F32)
+    return _dot_any(_operand(k_hi, DOT_F32), qT1, acc, DOT_F32)
+
+
 # ------------------------------------------------------------------------------------------------
 # the logits kernel
 # ------------------------------------------------------------------------------------------------
@@ -125,7 +162,7 @@ def _mqa_logits_kernel(
     H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
     FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, FILL: tl.constexpr, OUT_KIND: tl.constexpr,
-    STATIC_TILES: tl.constexpr,
+    STATIC_TILES: tl.constexpr, FP4_FP8: tl.constexpr,
 ):
     R: tl.constexpr = BQ * H
     qb = tl.program_id(0)
@@ -170,6 +207,12 @@ def _mqa_logits_kernel(
         q_lo, q_hi = _fp4_dequant(qp, qword, col)
         qT0 = tl.trans(_operand(q_lo, DOT_F32))
         qT1 = tl.trans(_operand(q_hi, DOT_F32))
+        if FP4_FP8:       # the rows rescaled into e4m3 (qT2, qT3), their scale exponents (qe0), foldable (qe1)
+            q_ok, qe0 = _fold_ok(qword)
+            qe1 = (q_ok | ~r_ok).to(tl.int32)
+            q8_lo, q8_hi = _fp4_rel_fp8(qp, qword, qe0, col)
+            qT2 = tl.trans(q8_lo)
+            qT3 = tl.trans(q8_hi)
     else:
         c16 = tl.arange(0, 16)
         qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
@@ -196,7 +239,7 @@ def _mqa_logits_kernel(
         for t in range(t_lo, t_hi):
             _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
                          out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
-                         IMPRECISE, CLEAN, COMPRESSED, OUT_KIND)
+                         IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FP4_FP8)
         if FILL:
             for t in range(t_begin, tl.minimum(t_lo, t_end)):
                 _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
@@ -209,7 +252,7 @@ def _mqa_logits_kernel(
             if (t >= t_lo) & (t < t_hi):
                 _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr,
                              kf_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
-                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND)
+                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FP4_FP8)
             else:
                 if FILL:
                     if t < t_end:
@@ -249,7 +292,7 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok,
                  out_ptr, SKV, W, stride_out, H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
                  LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
                  DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
-                 OUT_KIND: tl.constexpr):
+                 OUT_KIND: tl.constexpr, FP4_FP8: tl.constexpr):
     R: tl.constexpr = BQ * H
     j = t * BLOCK_KV + tl.arange(0, BLOCK_KV)
     j_ok = j < SKV
@@ -270,9 +313,22 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok,
         col = tl.arange(0, 64)
         kp = tl.load(k_ptr + krow[:, None] * 64 + col[None, :], mask=j_ok[:, None], other=0)
         kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
-        k_lo, k_hi = _fp4_dequant(kp, kword, col)
-        acc = _dot_any(_operand(k_lo, DOT_F32), qT0, tl.zeros((BLOCK_KV, R), tl.float32), DOT_F32)
-        acc = _dot_any(_operand(k_hi, DOT_F32), qT1, acc, DOT_F32)
+        if FP4_FP8:
+            # keys and query rows whose block exponents fold exactly into e4m3 (_fold_ok): one fp8 dot per
+            # half, then the two power-of-two scales; any other tile: the bf16 dots
+            k_ok, ke_max = _fold_ok(kword)
+            fold = tl.min((k_ok | ~j_ok).to(tl.int32), axis=0) * tl.min(qe1, axis=0)
+            if fold != 0:
+                k8_lo, k8_hi = _fp4_rel_fp8(kp, kword, ke_max, col)
+                acc = tl.dot(k8_lo, qT2, max_num_imprecise_acc=IMPRECISE)
+                acc = tl.dot(k8_hi, qT3, acc, max_num_imprecise_acc=IMPRECISE)
+                sk = (ke_max << 23).to(tl.float32, bitcast=True)
+                sq = (qe0 << 23).to(tl.float32, bitcast=True)
+                acc = (acc * sk[:, None]) * sq[None, :]
+            else:
+                acc = _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV, R, DOT_F32)
+        else:
+            acc = _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV, R, DOT_F32)
         v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
         logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2)
     else:
@@ -339,11 +395,13 @@ def default_config(S: int, SKV: int, H: int, layout_id: int, device: torch.devic
 
 
 def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
-               compressed, *, fp8_dot=None, block_q=None, block_kv=None, tiles_per_prog=None, num_warps=None,
-               num_stages=None, int_dot=None):
+               compressed, *, fp8_dot=None, fp4_dot=None, block_q=None, block_kv=None, tiles_per_prog=None,
+               num_warps=None, num_stages=None, int_dot=None):
     """The Triton backend of dsaquant.mqa_logits (the reference's positional arguments; validated by the op).
-    Keyword-only tuning knobs: fp8_dot (None: native where available), block_q, block_kv, tiles_per_prog,
-    num_warps, num_stages, int_dot (exact mode: int8 dot; default on a GPU)."""
+    Keyword-only tuning knobs: fp8_dot (None: native where available), fp4_dot (FP4 fast mode: "fp8" rescales
+    foldable tiles into e4m3 for the fp8 dot, "bf16" always dequantizes to bf16; None: "fp8" where the device
+    has a native e4m3fn dot), block_q, block_kv, tiles_per_prog, num_warps, num_stages, int_dot (exact mode:
+    int8 dot; default on a GPU)."""
     S, H = q.shape[0], q.shape[1]
     SKV, W = k.shape[0], out.shape[1]
     dev = q.device
@@ -368,6 +426,9 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     fnuz = layout == "fp8" and fp8_flavour == "e4m3fnuz"
     native = layout == "fp8" and (native_fp8_for(dev, fp8_flavour or "e4m3fn") if fp8_dot is None else bool(fp8_dot))
     dot_int = (not interp) if int_dot is None else bool(int_dot)
+    if fp4_dot not in (None, "fp8", "bf16"):
+        raise ValueError(f"fp4_dot: expected None, 'fp8' or 'bf16', got {fp4_dot!r}")
+    fp4_fp8 = layout_id == 1 and (native_fp8_for(dev, "e4m3fn") if fp4_dot is None else fp4_dot == "fp8")
     if layout == "fp8":
         if native:
             fp8_dtype = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
@@ -384,7 +445,7 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
         H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp, DOT_INT=dot_int,
         IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
         FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind,
-        STATIC_TILES=tpp if interp else 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        STATIC_TILES=tpp if interp else 0, FP4_FP8=fp4_fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
     return out
 
@@ -503,7 +564,7 @@ OPS = {"mqa_logits": mqa_logits, "mqa_topk": mqa_topk, "gather_index_cache": gat
 # AOT compilation (tests/test_triton_prefill_aot.py)
 # ------------------------------------------------------------------------------------------------
 def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=False, fnuz=False, int_dot=True,
-                block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False, w_dtype="fp32",
+                fp4_fp8=False, block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False, w_dtype="fp32",
                 num_warps=None, num_stages=None):
     """Compile the mqa_logits kernel for a GPUTarget without a GPU (the launcher's default block sizes unless
     given). Returns the CompiledKernel."""
@@ -520,7 +581,8 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
            "stride_w": "i32", "stride_out": "i32"}
     cx = dict(H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=bool(fp8_native and fp8), FNUZ=bool(fnuz and fp8),
               DOT_F32=False, DOT_INT=bool(int_dot), IMPRECISE=32, CLEAN=bool(clean), COMPRESSED=bool(compressed),
-              FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0)
+              FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0,
+              FP4_FP8=bool(fp4_fp8 and lid == 1))
     names = list(sig)
     sig.update({k: "constexpr" for k in cx})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
