@@ -152,11 +152,12 @@ def test_topk_equals_logits_selection(layout, exact):
         want = R.select_topk(logits, K)
         if exact:
             assert torch.equal(got, want)
-        else:
+        else:   # the chunked top-k scores tiles in its own row blocks: equal values up to the fast-mode bound
             assert torch.equal(got < 0, want < 0)
-            gv = torch.gather(logits, 1, got.clamp_min(0).long())
-            wv = torch.gather(logits, 1, want.clamp_min(0).long())
-            assert torch.equal(torch.where(got >= 0, gv, 0), torch.where(want >= 0, wv, 0))
+            gv = torch.where(got >= 0, torch.gather(logits, 1, got.clamp_min(0).long()), 0)
+            wv = torch.where(want >= 0, torch.gather(logits, 1, want.clamp_min(0).long()), 0)
+            tol = 1e-3 * float(_magnitude(a, layout).nan_to_num(0, 0, 0).max())
+            assert torch.allclose(gv, wv, rtol=0, atol=tol)
         print(f"{b} {layout} exact={exact}: top-{K} positions match ({int((got == want).float().mean() * 100)}% "
               f"identical positions)")
 
@@ -182,7 +183,8 @@ def test_topk_peak_memory_large():
         ref = dsaquant.mqa_logits(layout="fp8", backend="reference", **sub)
         wv = torch.topk(ref, K, dim=1).values
         gv = torch.gather(ref, 1, idx[rows].long())
-        assert torch.allclose(gv.sort(dim=1, descending=True).values, wv, rtol=0, atol=1e-3 * float(ref.abs().max()))
+        tol = 1e-3 * float(_magnitude(sub, "fp8").max())
+        assert torch.allclose(gv.sort(dim=1, descending=True).values, wv, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("layout,pre", [("fp8_132", False), ("fp8_132", True), ("packed68", False),

@@ -459,6 +459,8 @@ def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_fl
     dev = q.device
     C = int(key_chunk or min(max(SKV, 1), 32768))
     Rc = int(row_chunk or max(1, min(S, (1 << 24) // (C + topk))))
+    if row_chunk is None and Rc < S:
+        Rc = max(8, Rc // 8 * 8)      # row blocks aligned as in mqa_logits (block_q <= 8): the same per-tile paths
     ws = torch.empty((Rc, C), dtype=torch.float32, device=dev)
     zeros = torch.zeros(Rc, dtype=torch.int32, device=dev)
     full_hi = torch.full((Rc,), C, dtype=torch.int32, device=dev)
