@@ -223,7 +223,7 @@ def gather_index_cache(kv_cache, block_table, cu_seqlens, *, layout, kv_cache_sc
       packed68:  kv_cache uint8 [NB, P*68] or [NB, P, 68]; out uint8 [T, 64], out_scale uint8 [T, 4] or int32 [T].
       aiter_fp4: kv_cache uint8 [NB, 1, 4, P, 16], kv_cache_scale uint8 [NB, 1, 4, P] (P % 16 == 0);
                  out and out_scale as packed68.
-    block_table int32/int64 [B, max_pages]; cu_seqlens int32/int64 [B+1], non-decreasing. T = out.shape[0],
+    block_table int32/int64 [B, max_pages] (last dim contiguous); cu_seqlens int32/int64 [B+1], non-decreasing. T = out.shape[0],
     or cu_seqlens[-1] when out is None (read on the host: one synchronisation).
     A token whose page is missing (p // P past the block table, a page id outside [0, NB), or a row t in no
     sequence) gets zeros and is reported by dsaquant.check_errors(). Returns (out, out_scale).
@@ -251,7 +251,7 @@ def gather_index_cache(kv_cache, block_table, cu_seqlens, *, layout, kv_cache_sc
         if layout != "fp8_132":
             raise ValueError("preshuffle: only the fp8_132 layout has a preshuffled form")
         V.page_multiple_of_16("kv_cache", P, "preshuffle")
-    V.tensor("block_table", block_table, V.INDEX, (None, None), dev)
+    V.tensor("block_table", block_table, V.INDEX, (None, None), dev, last_contiguous=True)
     B = block_table.shape[0]
     V.tensor("cu_seqlens", cu_seqlens, V.INDEX, (B + 1,), dev, contiguous=True)
     fp8 = layout == "fp8_132"
