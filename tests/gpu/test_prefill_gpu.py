@@ -200,3 +200,26 @@ def test_gather_identical(layout, pre):
             dsaquant.check_errors()
         assert torch.equal(out[0].cpu(), a["want"][0]) and torch.equal(out[1].cpu(), a["want"][1])
         print(f"{b} gather {layout} preshuffle={pre}: identical, bad pages flagged")
+
+
+@pytest.mark.parametrize("layout,exact", [("fp8", False), ("fp4", True)])
+def test_cuda_graph_replay(layout, exact):
+    """mqa_logits and mqa_topk captured in one CUDA graph (no host synchronisation inside) replay the eager bytes."""
+    a = make_prefill_inputs(layout, 256, 2048, 64, seed=9)
+    a["ks"], a["ke"] = _ranges(256, 2048, torch.Generator().manual_seed(9))
+    want = dsaquant.mqa_logits(layout=layout, exact=exact, **a)
+    want_idx = dsaquant.mqa_topk(topk=64, layout=layout, exact=exact, **a)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dsaquant.mqa_logits(layout=layout, exact=exact, **a)
+        dsaquant.mqa_topk(topk=64, layout=layout, exact=exact, **a)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = dsaquant.mqa_logits(layout=layout, exact=exact, **a)
+        got_idx = dsaquant.mqa_topk(topk=64, layout=layout, exact=exact, **a)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) and torch.equal(got_idx, want_idx)
+    print(f"graph replay {layout} exact={exact}: identical")
