@@ -18,8 +18,8 @@ PAGE_OUT_OF_RANGE = 4
 MESSAGES = {
     SLOT_OUT_OF_RANGE: "a slot id at or past the cache's capacity was skipped (nothing was written for it)",
     POSITION_OUT_OF_RANGE: "a position outside [0, max_pos) of the RoPE table was clamped into it (SPEC §7.5)",
-    PAGE_OUT_OF_RANGE: "a context position whose page is past the block table, or whose block-table entry is "
-                       "outside [0, num_blocks), was not read (its logit is -inf)",
+    PAGE_OUT_OF_RANGE: "a position whose page is past the block table, or whose block-table entry is outside "
+                       "[0, num_blocks), was not read (a scorer logit of -inf; a gathered key of zeros)",
 }
 
 _lock = threading.Lock()

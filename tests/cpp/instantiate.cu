@@ -141,3 +141,10 @@ extern "C" __global__ void no_contract_kernel(const float* x, float* y) {
   y[4 * i + 2] = layer_norm_apply(a, b, x[4 * i + 2], x[4 * i + 3]);
   y[4 * i + 3] = exp_ds(fsub(canonical_partial(a, b, a, b), fdiv(fsqrt(a), b)));
 }
+
+// The exact FP4 logit (exact_dot.h): one key row per thread against one query row of 64 heads.
+extern "C" __global__ void exact_logit_kernel(const uint8_t* q, const uint32_t* qexp, const float* w,
+                                              const uint8_t* k, const uint32_t* kexp, float* out) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  out[j] = exact_logit(q, qexp, w, 64, k + 64 * j, kexp[j]);
+}

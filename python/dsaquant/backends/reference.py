@@ -11,3 +11,6 @@ register("reference", "compress_kv", compress.compress_kv)
 register("reference", "rope_rotate_quant", compress.rope_rotate_quant)
 from ..reference import topk  # noqa: E402  docs/topk.md
 register("reference", "topk_indices", topk.topk_indices)
+from ..reference import prefill  # noqa: E402  docs/prefill.md
+for _name, _fn in prefill.OPS.items():
+    register("reference", _name, _fn)

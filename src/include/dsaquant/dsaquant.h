@@ -11,3 +11,4 @@
 #include "rope.h"      // RoPE, LayerNorm, RMSNorm, Hadamard (§5)
 #include "layouts.h"   // cache offsets (§6)
 #include "pool.h"      // the compressor's window pool (§7.6 step 2)
+#include "exact_dot.h" // the exact FP4 logit of mqa_logits(exact=True) (docs/prefill.md)

@@ -1,0 +1,609 @@
+"""Ragged prefill scoring in Triton (docs/prefill.md): `mqa_logits` (FP8, FP4, exact FP4), `mqa_topk`
+(key chunks of the same kernel merged into a running top-k) and `gather_index_cache`.
+
+mqa_logits kernel (one kernel; the layout is a constexpr):
+  * grid = (row blocks, key splits). Program (qb, sp) owns rows i0 .. i0+BQ-1 (BQ*H query rows, head
+    h of row i being q row (i - i0)*H + h) and the key tiles [sp*TPP, (sp+1)*TPP) of BLOCK_KV keys.
+    Only tiles that meet the union of its rows' ranges [lo, hi) are scored; with clean_logits the
+    others are filled with -inf (full layout) and nothing is read for them.
+  * The BQ*H query rows are loaded (and for FP4 dequantized) once per program.
+  * Per tile: S[key, qrow] = tl.dot(K_tile [BLOCK_KV, 128], Q^T [128, BQ*H]) with fp32 accumulation (the key
+    tile is the M side), relu, times w, summed over each row's H heads, times the fp8 k scale; stored to
+    out[i, j] (full) or out[i, j - base[i]] (compressed).
+  * FP8: native fp8 x fp8 dot where the device has one for the flavour (promoted to fp32 every 32
+    products on sm_90), else the codes decoded exactly to bf16 (fp32 in the interpreter).
+    FP4 fast mode: where the device has a native e4m3fn dot, tiles whose keys and query rows have their 4
+    block exponents in [64, 190] within 8 of the largest are rescaled exactly into e4m3 and run the fp8 dot
+    (then times the two powers of two of the row maxima); other tiles, and other devices: values decoded to
+    bf16 (exact: SPEC §1 values times a power of two). Either way split into the even and odd elements (two
+    dots with K = 64).
+  * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
+    GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
+    then the same ldexp, block order, relu, weight multiply and canonical head sum as
+    reference/prefill.py and src/include/dsaquant/exact_dot.h: identical bytes. Launched with
+    enable_fp_fusion=False (no FMA contraction of the weight products into the head sum, SPEC §0.1).
+
+Accuracy of the fast modes (the reference sums in another order): with
+mag = sum_h |w_h| * sum_d |q_hd k_jd| (times |k_scale_j| for FP8), |triton - reference| <= 3e-5 * mag
+for the bf16 / fp32 dots (tests use 1e-5 relative to the largest mag of a row); a native fp8 tensor-core
+dot (FP8, and the FP4 tiles folded into e4m3) accumulates with reduced precision inside each 32-product
+step: <= 1e-3 * mag (as the scorer).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import formats as F
+from .scorer import _cdiv, _device_info, _dev_index, _e2m1_value, _fp4_dequant, _fp8_decode, native_fp8_for
+from ..reference import prefill as refp
+
+LAYOUT_IDS = {"fp8": 0, "fp4": 1, "fp4_exact": 2}
+TOL_FAST = 3e-5
+TOL_NATIVE_FP8 = 1e-3
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# device helpers
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _twice_e2m1(c):
+    """int32 nibble codes -> 2 * E2M1 value as int32 in [-12, 12]: m < 2 -> m, else (2 + (m & 1)) << (m/2 - 1)."""
+    m = c & 7
+    mag = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _twice_block(bytes16, R: tl.constexpr, DOT_INT: tl.constexpr):
+    """uint8 [R, 16] packed bytes of one block -> its 32 doubled values [R, 32] as the dot operand (int8, or
+    fp32 in the interpreter). The order (byte i's low nibble, then its high nibble) is the element order."""
+    c = bytes16.to(tl.int32)
+    v = tl.reshape(tl.join(_twice_e2m1(c & 15), _twice_e2m1(c >> 4)), (R, 32))
+    if DOT_INT:
+        return v.to(tl.int8)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _pow2_unbiased(e):
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exact_block_value(idot, eq, ek):
+    """reference/prefill.exact_block_value: I * 2^(eq + ek - 256) rounded once; exponent 0 -> fl(I * 0),
+    exponent 255 -> NaN. idot int32 [M, N]; eq [1, N] and ek [M, 1] int32."""
+    e = eq + ek - 256
+    ec = tl.maximum(e, -164)
+    small = ec < -126
+    big = ec > 127
+    e1 = tl.where(small, ec + 64, tl.where(big, ec - 127, ec))
+    e2 = tl.where(small, -64, tl.where(big, 127, 0))
+    i = idot.to(tl.float32)
+    v = (i * _pow2_unbiased(e1)) * _pow2_unbiased(e2)
+    v = tl.where((eq == 0) | (ek == 0), i * 0.0, v)
+    return tl.where((eq == 255) | (ek == 255), float("nan"), v)
+
+
+@triton.jit
+def _int_dot(a, bT, DOT_INT: tl.constexpr):
+    if DOT_INT:
+        return tl.dot(a, bT, out_dtype=tl.int32)
+    else:
+        return tl.dot(a, bT, input_precision="ieee").to(tl.int32)
+
+
+@triton.jit
+def _dot_any(a, bT, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a, bT, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, bT, acc)
+
+
+@triton.jit
+def _operand(x, DOT_F32: tl.constexpr):
+    """fp32 values exact in bf16 -> bf16 dot operand (fp32 again in the interpreter)."""
+    y = x.to(tl.bfloat16)
+    if DOT_F32:
+        y = y.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _fold_ok(word):
+    """int32 exponent words [N] (block j in byte j) -> (row can be rescaled exactly into e4m3, largest exponent):
+    every exponent in [64, 190] and within 8 of the largest. Then e2m1 * 2^(e_b - e_max) is an e4m3 value
+    (at least 2^-9 and a multiple of it, at most 6) and the row and key scales 2^(e_max - 127) stay in
+    [2^-63, 2^63]."""
+    e0 = word & 255
+    e1 = (word >> 8) & 255
+    e2 = (word >> 16) & 255
+    e3 = (word >> 24) & 255
+    emax = tl.maximum(tl.maximum(e0, e1), tl.maximum(e2, e3))
+    emin = tl.minimum(tl.minimum(e0, e1), tl.minimum(e2, e3))
+    return (emin >= 64) & (emax <= 190) & (emax - emin <= 8), emax
+
+
+@triton.jit
+def _fp4_rel_fp8(payload, word, emax, col):
+    """payload uint8 [N, 64], words int32 [N], emax int32 [N] -> (even, odd elements) as e4m3 values
+    e2m1 * 2^(e_b - emax), exact where _fold_ok holds."""
+    c = payload.to(tl.int32)
+    e = (word[:, None] >> ((col // 16) * 8)[None, :]) & 255
+    rel = ((e - emax[:, None] + 127) << 23).to(tl.float32, bitcast=True)
+    return (_e2m1_value(c & 15) * rel).to(tl.float8e4nv), (_e2m1_value(c >> 4) * rel).to(tl.float8e4nv)
+
+
+@triton.jit
+def _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV: tl.constexpr, R: tl.constexpr, DOT_F32: tl.constexpr):
+    """The FP4 tile's dots on exactly dequantized bf16 values (even and odd elements, K = 64 each)."""
+    k_lo, k_hi = _fp4_dequant(kp, kword, col)
+    acc = _dot_any(_operand(k_lo, DOT_F32), qT0, tl.zeros((BLOCK_KV, R), tl.float32), DOT_F32)
+    return _dot_any(_operand(k_hi, DOT_F32), qT1, acc, DOT_F32)
+
+
+# ------------------------------------------------------------------------------------------------
+# the logits kernel
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, qs_ptr, k_ptr, kf_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr,
+    S, SKV, W, tiles_per_prog, stride_w, stride_out,
+    H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
+    FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, FILL: tl.constexpr, OUT_KIND: tl.constexpr,
+    STATIC_TILES: tl.constexpr, FP4_FP8: tl.constexpr,
+):
+    R: tl.constexpr = BQ * H
+    qb = tl.program_id(0)
+    sp = tl.program_id(1)
+    i0 = qb * BQ
+    # ---- the rows of this program and the union of their key ranges -----------------------------
+    rows = i0 + tl.arange(0, BQ)
+    row_ok = rows < S
+    lo = tl.load(lo_ptr + rows, mask=row_ok, other=0)
+    hi = tl.load(hi_ptr + rows, mask=row_ok, other=0)
+    base = tl.load(base_ptr + rows, mask=row_ok, other=0)
+    nonempty = lo < hi
+    lo_min = tl.min(tl.where(nonempty, lo, SKV), axis=0)
+    hi_max = tl.max(tl.where(nonempty, hi, 0), axis=0)
+
+    # ---- query rows r = (i - i0) * H + h, loaded once -------------------------------------------------
+    r = tl.arange(0, R)
+    qi = i0 + r // H
+    h = r % H
+    r_ok = qi < S
+    qrow = qi.to(tl.int64) * H + h
+    w_col = tl.load(w_ptr + qi.to(tl.int64) * stride_w + h, mask=r_ok, other=0.0).to(tl.float32)
+    qT0 = tl.zeros((16, R), tl.float32)          # placeholders, replaced below by the layout's operands
+    qT1 = tl.zeros((16, R), tl.float32)
+    qT2 = tl.zeros((16, R), tl.float32)
+    qT3 = tl.zeros((16, R), tl.float32)
+    qe0 = tl.zeros((R,), tl.int32)
+    qe1 = tl.zeros((R,), tl.int32)
+    qe2 = tl.zeros((R,), tl.int32)
+    qe3 = tl.zeros((R,), tl.int32)
+    if LAYOUT == 0:
+        d = tl.arange(0, 128)
+        if FP8_NATIVE:      # q_ptr and k_ptr are fp8 pointers: the tiles go to the dot without a conversion
+            qT0 = tl.trans(tl.load(q_ptr + qrow[:, None] * 128 + d[None, :], mask=r_ok[:, None], other=0.0))
+        else:
+            qc = tl.load(q_ptr + qrow[:, None] * 128 + d[None, :], mask=r_ok[:, None], other=0)
+            qT0 = tl.trans(_operand(_fp8_decode(qc, FNUZ), DOT_F32))
+    elif LAYOUT == 1:
+        col = tl.arange(0, 64)
+        qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
+        qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
+        q_lo, q_hi = _fp4_dequant(qp, qword, col)
+        qT0 = tl.trans(_operand(q_lo, DOT_F32))
+        qT1 = tl.trans(_operand(q_hi, DOT_F32))
+        if FP4_FP8:       # the rows rescaled into e4m3 (qT2, qT3), their scale exponents (qe0), foldable (qe1)
+            q_ok, qe0 = _fold_ok(qword)
+            qe1 = (q_ok | ~r_ok).to(tl.int32)
+            q8_lo, q8_hi = _fp4_rel_fp8(qp, qword, qe0, col)
+            qT2 = tl.trans(q8_lo)
+            qT3 = tl.trans(q8_hi)
+    else:
+        c16 = tl.arange(0, 16)
+        qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
+        qT0 = tl.trans(_twice_block(tl.load(q_ptr + qrow[:, None] * 64 + c16[None, :], mask=r_ok[:, None], other=0),
+                                    R, DOT_INT))
+        qT1 = tl.trans(_twice_block(tl.load(q_ptr + qrow[:, None] * 64 + 16 + c16[None, :], mask=r_ok[:, None],
+                                            other=0), R, DOT_INT))
+        qT2 = tl.trans(_twice_block(tl.load(q_ptr + qrow[:, None] * 64 + 32 + c16[None, :], mask=r_ok[:, None],
+                                            other=0), R, DOT_INT))
+        qT3 = tl.trans(_twice_block(tl.load(q_ptr + qrow[:, None] * 64 + 48 + c16[None, :], mask=r_ok[:, None],
+                                            other=0), R, DOT_INT))
+        qe0 = qword & 255
+        qe1 = (qword >> 8) & 255
+        qe2 = (qword >> 16) & 255
+        qe3 = (qword >> 24) & 255
+
+    # ---- tiles -------------------------------------------------------------------------------------
+    num_tiles = tl.cdiv(SKV, BLOCK_KV)
+    t_begin = sp * tiles_per_prog
+    t_end = tl.minimum(t_begin + tiles_per_prog, num_tiles)
+    t_lo = tl.maximum(t_begin, lo_min // BLOCK_KV)
+    t_hi = tl.minimum(t_end, tl.cdiv(hi_max, BLOCK_KV))
+    if STATIC_TILES == 0:
+        for t in range(t_lo, t_hi):
+            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
+                         out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
+                         IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FP4_FP8)
+        if FILL:
+            for t in range(t_begin, tl.minimum(t_lo, t_end)):
+                _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+            for t in range(tl.maximum(t_hi, t_begin), t_end):
+                _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+    else:
+        # constexpr trip count and a branch: the interpreter cannot loop over tensor bounds (numpy >= 2.4)
+        for it in range(STATIC_TILES):
+            t = t_begin + it
+            if (t >= t_lo) & (t < t_hi):
+                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr,
+                             kf_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
+                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FP4_FP8)
+            else:
+                if FILL:
+                    if t < t_end:
+                        _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+
+
+@triton.jit
+def _store(out_ptr, offs, vals, mask, OUT_KIND: tl.constexpr):
+    v = F.cast_for_store(vals, OUT_KIND)
+    if OUT_KIND == 1:
+        tl.store(out_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + offs, v, mask=mask)
+    else:
+        tl.store(out_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
+               OUT_KIND: tl.constexpr):
+    j = t * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    offs = rows.to(tl.int64)[None, :] * stride_out + j[:, None]
+    ninf = tl.full((BLOCK_KV, BQ), float("-inf"), tl.float32)
+    _store(out_ptr, offs, ninf, (j < SKV)[:, None] & row_ok[None, :], OUT_KIND)
+
+
+@triton.jit
+def _exact_block(k_ptr, krow, j_ok, kword, qT, qe, b: tl.constexpr, BLOCK_KV: tl.constexpr, R: tl.constexpr,
+                 DOT_INT: tl.constexpr):
+    c16 = tl.arange(0, 16)
+    kb = tl.load(k_ptr + krow[:, None] * 64 + b * 16 + c16[None, :], mask=j_ok[:, None], other=0)
+    idot = _int_dot(_twice_block(kb, BLOCK_KV, DOT_INT), qT, DOT_INT)              # [BLOCK_KV, R]
+    ke = (kword >> (8 * b)) & 255
+    return _exact_block_value(idot, qe[None, :], ke[:, None])
+
+
+@triton.jit
+def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
+                 out_ptr, SKV, W, stride_out, H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
+                 LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
+                 DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+                 OUT_KIND: tl.constexpr, FP4_FP8: tl.constexpr):
+    R: tl.constexpr = BQ * H
+    j = t * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    j_ok = j < SKV
+    krow = j.to(tl.int64)
+    if LAYOUT == 0:
+        d = tl.arange(0, 128)
+        k_scale = tl.load(kf_ptr + krow, mask=j_ok, other=0.0)
+        if FP8_NATIVE:
+            kf = tl.load(k_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0.0)
+            acc = tl.dot(kf, qT0, max_num_imprecise_acc=IMPRECISE)
+        else:
+            kc = tl.load(k_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0)
+            acc = _dot_any(_operand(_fp8_decode(kc, FNUZ), DOT_F32), qT0, tl.zeros((BLOCK_KV, R), tl.float32),
+                           DOT_F32)
+        v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
+        logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * k_scale[:, None]
+    elif LAYOUT == 1:
+        col = tl.arange(0, 64)
+        kp = tl.load(k_ptr + krow[:, None] * 64 + col[None, :], mask=j_ok[:, None], other=0)
+        kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
+        if FP4_FP8:
+            # keys and query rows whose block exponents fold exactly into e4m3 (_fold_ok): one fp8 dot per
+            # half, then the two power-of-two scales; any other tile: the bf16 dots
+            k_ok, ke_max = _fold_ok(kword)
+            fold = tl.min((k_ok | ~j_ok).to(tl.int32), axis=0) * tl.min(qe1, axis=0)
+            if fold != 0:
+                k8_lo, k8_hi = _fp4_rel_fp8(kp, kword, ke_max, col)
+                acc = tl.dot(k8_lo, qT2, max_num_imprecise_acc=IMPRECISE)
+                acc = tl.dot(k8_hi, qT3, acc, max_num_imprecise_acc=IMPRECISE)
+                sk = (ke_max << 23).to(tl.float32, bitcast=True)
+                sq = (qe0 << 23).to(tl.float32, bitcast=True)
+                acc = (acc * sk[:, None]) * sq[None, :]
+            else:
+                acc = _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV, R, DOT_F32)
+        else:
+            acc = _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV, R, DOT_F32)
+        v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
+        logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2)
+    else:
+        kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
+        v0 = _exact_block(k_ptr, krow, j_ok, kword, qT0, qe0, 0, BLOCK_KV, R, DOT_INT)
+        v1 = _exact_block(k_ptr, krow, j_ok, kword, qT1, qe1, 1, BLOCK_KV, R, DOT_INT)
+        v2 = _exact_block(k_ptr, krow, j_ok, kword, qT2, qe2, 2, BLOCK_KV, R, DOT_INT)
+        v3 = _exact_block(k_ptr, krow, j_ok, kword, qT3, qe3, 3, BLOCK_KV, R, DOT_INT)
+        head = ((v0 + v1) + v2) + v3
+        tv = tl.where(head < 0, 0.0, head) * w_col[None, :]                       # [BLOCK_KV, R]
+        logit = tl.reshape(F.canonical_sum_row(tl.reshape(tv, (BLOCK_KV * BQ, H)), BLOCK_KV * BQ, H),
+                           (BLOCK_KV, BQ))
+    valid = (j[:, None] >= lo[None, :]) & (j[:, None] < hi[None, :]) & row_ok[None, :]
+    r64 = rows.to(tl.int64)[None, :] * stride_out
+    if COMPRESSED:
+        c = j[:, None] - base[None, :]
+        valid = valid & (c >= 0) & (c < W)
+        _store(out_ptr, r64 + c, logit, valid, OUT_KIND)
+    else:
+        if CLEAN:
+            _store(out_ptr, r64 + j[:, None], tl.where(valid, logit, float("-inf")),
+                   j_ok[:, None] & row_ok[None, :], OUT_KIND)
+        else:
+            _store(out_ptr, r64 + j[:, None], logit, valid, OUT_KIND)
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------------
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def kernel_config(layout_id: int, H: int) -> tuple[int, int, int, int]:
+    """(rows per program, keys per tile, warps, stages) of the GPU launch, chosen from the sm_90 compiles of
+    tests/test_triton_prefill_aot.py (no register spills at H = 64): FP8 128 query rows (rows x heads) against
+    128-key tiles in 4 warps, so that two programs per SM overlap one's MMA with the other's epilogue (64 rows
+    below H = 64, 8 warps at H = 128); FP4 fast 128 x 64 in 8 warps; exact FP4 64 x 64 in 8 warps (its
+    per-block epilogue holds four [keys, rows] tiles)."""
+    if layout_id == 0:
+        qrows, bkv, warps, stages = (128 if H >= 64 else 64), 128, (8 if H >= 128 else 4), 3
+    elif layout_id == 1:
+        qrows, bkv, warps, stages = 128, 64, 8, 2
+    else:
+        qrows, bkv, warps, stages = 64, 64, 8, 2
+    return max(1, qrows // H), bkv, warps, stages
+
+
+def default_config(S: int, SKV: int, H: int, layout_id: int, device: torch.device) -> dict:
+    """block_q (rows per program), block_kv, tiles_per_prog, num_warps, num_stages for one problem."""
+    interp = _interpreting() or device.type != "cuda"
+    if interp:
+        return dict(block_q=2, block_kv=16, tiles_per_prog=2, num_warps=4, num_stages=1)
+    bq, bkv, warps, stages = kernel_config(layout_id, H)
+    if getattr(torch.version, "hip", None):
+        stages = min(stages, 2)
+    num_tiles = _cdiv(SKV, bkv)
+    sms = _device_info(_dev_index(device))[3]
+    progs_rows = _cdiv(S, bq)
+    # key splits only where the row blocks alone leave SMs idle (a split re-reads the program's q rows)
+    splits = max(1, min(num_tiles, _cdiv(sms * 4, progs_rows)))
+    tpp = _cdiv(num_tiles, splits)
+    return dict(block_q=bq, block_kv=bkv, tiles_per_prog=tpp, num_warps=warps, num_stages=stages)
+
+
+def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
+               compressed, *, fp8_dot=None, fp4_dot=None, block_q=None, block_kv=None, tiles_per_prog=None,
+               num_warps=None, num_stages=None, int_dot=None):
+    """The Triton backend of dsaquant.mqa_logits (the reference's positional arguments; validated by the op).
+    Keyword-only tuning knobs: fp8_dot (None: native where available), fp4_dot (FP4 fast mode: "fp8" rescales
+    foldable tiles into e4m3 for the fp8 dot, "bf16" always dequantizes to bf16; None: "fp8" where the device
+    has a native e4m3fn dot), block_q, block_kv, tiles_per_prog, num_warps, num_stages, int_dot (exact mode:
+    int8 dot; default on a GPU)."""
+    S, H = q.shape[0], q.shape[1]
+    SKV, W = k.shape[0], out.shape[1]
+    dev = q.device
+    if S == 0 or W == 0:
+        return out
+    if compressed and clean_logits:
+        out.fill_(float("-inf"))
+    if SKV == 0:
+        if clean_logits and not compressed:
+            out.fill_(float("-inf"))
+        return out
+    layout_id = 2 if (layout == "fp4" and exact) else LAYOUT_IDS[layout]
+    interp = _interpreting() or dev.type != "cuda"
+    cfg = default_config(S, SKV, H, layout_id, dev)
+    for name, val in (("block_q", block_q), ("block_kv", block_kv), ("tiles_per_prog", tiles_per_prog),
+                      ("num_warps", num_warps), ("num_stages", num_stages)):
+        if val is not None:
+            cfg[name] = int(val)
+    bq, bkv, tpp = cfg["block_q"], cfg["block_kv"], cfg["tiles_per_prog"]
+    if bq * H < 16:
+        bq = _next_pow2(_cdiv(16, H))
+    fnuz = layout == "fp8" and fp8_flavour == "e4m3fnuz"
+    native = layout == "fp8" and (native_fp8_for(dev, fp8_flavour or "e4m3fn") if fp8_dot is None else bool(fp8_dot))
+    dot_int = (not interp) if int_dot is None else bool(int_dot)
+    if fp4_dot not in (None, "fp8", "bf16"):
+        raise ValueError(f"fp4_dot: expected None, 'fp8' or 'bf16', got {fp4_dot!r}")
+    fp4_fp8 = layout_id == 1 and (native_fp8_for(dev, "e4m3fn") if fp4_dot is None else fp4_dot == "fp8")
+    if layout == "fp8":
+        if native:
+            fp8_dtype = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+            q, k = q.view(fp8_dtype), k.view(fp8_dtype)
+        kf, qs = k_scale, q
+    else:
+        kf = k_scale.contiguous().view(torch.int32).reshape(SKV)
+        qs = q_scale.contiguous().view(torch.int32).reshape(S * H)
+    num_tiles = _cdiv(SKV, bkv)
+    grid = (_cdiv(S, bq), _cdiv(num_tiles, tpp))
+    out_kind = 1 if out.dtype == torch.bfloat16 else 0
+    _mqa_logits_kernel[grid](
+        q, qs, k, kf, weights, lo, hi, base, out, S, SKV, W, tpp, weights.stride(0), out.stride(0),
+        H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp, DOT_INT=dot_int,
+        IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
+        FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind,
+        STATIC_TILES=tpp if interp else 0, FP4_FP8=fp4_fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
+    return out
+
+
+def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_flavour, exact, *, key_chunk=None,
+             row_chunk=None, **knobs):
+    """The Triton backend of dsaquant.mqa_topk: key chunks of `key_chunk` keys scored by the logits kernel into
+    a [row_chunk, key_chunk] fp32 workspace and merged into the running top-k (reference/prefill.topk_chunked).
+    Memory: S*topk*8 bytes of running keys plus the workspace and the merge's [row_chunk, key_chunk + topk]."""
+    S, H, SKV = q.shape[0], q.shape[1], k.shape[0]
+    dev = q.device
+    C = int(key_chunk or min(max(SKV, 1), 32768))
+    Rc = int(row_chunk or max(1, min(S, (1 << 24) // (C + topk))))
+    if row_chunk is None and Rc < S:
+        Rc = max(8, Rc // 8 * 8)      # row blocks aligned as in mqa_logits (block_q <= 8): the same per-tile paths
+    ws = torch.empty((Rc, C), dtype=torch.float32, device=dev)
+    zeros = torch.zeros(Rc, dtype=torch.int32, device=dev)
+    full_hi = torch.full((Rc,), C, dtype=torch.int32, device=dev)
+
+    def chunk_logits(r0, r1, j0, j1):
+        n = r1 - r0
+        qs = q_scale[r0:r1] if q_scale is not None else None
+        out = ws[:n, :j1 - j0]
+        mqa_logits(q[r0:r1], qs, k[j0:j1], k_scale[j0:j1], weights[r0:r1], zeros[:n],
+                   torch.clamp(full_hi[:n], max=j1 - j0), zeros[:n], out, layout, fp8_flavour, exact, True, False,
+                   **knobs)
+        return out
+
+    return refp.topk_chunked(chunk_logits, S, SKV, topk, lo, hi, base, C, Rc, dev)
+
+
+# ------------------------------------------------------------------------------------------------
+# gather_index_cache
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_kernel(kv_ptr, kvs_ptr, bt_ptr, cu_ptr, out_ptr, outs_ptr, flag_ptr, T, B, nblk, num_pages,
+                   stride_bt, PAGE: tl.constexpr, LAYOUT: tl.constexpr, PRESHUFFLE: tl.constexpr,
+                   BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr, FLAG_CODE: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    # sequence of token t: the largest b in [0, B] with cu[b] <= t (binary search over cu[0..B])
+    lo_b = tl.zeros((BLOCK_T,), tl.int32)
+    hi_b = tl.full((BLOCK_T,), 0, tl.int32) + B
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo_b + hi_b + 1) // 2
+        cm = tl.load(cu_ptr + mid, mask=t_ok & (lo_b < hi_b), other=0).to(tl.int64)
+        go = (lo_b < hi_b) & (cm <= t64)
+        lo_b = tl.where(go, mid, lo_b)
+        hi_b = tl.where((lo_b < hi_b) & ~go, mid - 1, hi_b)
+    b = lo_b
+    cb = tl.load(cu_ptr + b, mask=t_ok, other=0).to(tl.int64)
+    cb1 = tl.load(cu_ptr + b + 1, mask=t_ok & (b < B), other=0).to(tl.int64)
+    p = t64 - cb
+    ok = t_ok & (b < B) & (cb <= t64) & (t64 < cb1)
+    blk = p // PAGE
+    ok = ok & (blk < nblk)
+    page = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + blk, mask=ok, other=0).to(tl.int64)
+    ok = ok & (page >= 0) & (page < num_pages)
+    o = p % PAGE
+    page = tl.where(ok, page, 0)
+    o = tl.where(ok, o, 0)
+    if LAYOUT == 0:
+        d = tl.arange(0, 128)
+        if PRESHUFFLE:
+            off = page[:, None] * (PAGE * 132) + ((o // 16) * 2048 + (o % 16) * 16)[:, None] \
+                + ((d // 16) * 256 + d % 16)[None, :]
+        else:
+            off = page[:, None] * (PAGE * 132) + (o * 128)[:, None] + d[None, :]
+        codes = tl.load(kv_ptr + off, mask=ok[:, None], other=0)
+        tl.store(out_ptr + t64[:, None] * 128 + d[None, :], codes, mask=t_ok[:, None])
+        sc = tl.load(kv_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + page * (PAGE * 33) + 32 * PAGE + o,
+                     mask=ok, other=0.0)
+        tl.store(outs_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + t64, sc, mask=t_ok)
+    else:
+        col = tl.arange(0, 64)
+        g = tl.arange(0, 4)
+        if LAYOUT == 1:
+            off = page[:, None] * (PAGE * 68) + (o * 64)[:, None] + col[None, :]
+            soff = page[:, None] * (PAGE * 68) + 64 * PAGE + (o * 4)[:, None] + g[None, :]
+            ex = tl.load(kv_ptr + soff, mask=ok[:, None], other=0)
+        else:
+            off = page[:, None] * (PAGE * 64) + ((col // 16) * (PAGE * 16) + col % 16)[None, :] + (o * 16)[:, None]
+            soff = page[:, None] * (4 * PAGE) + (g * PAGE)[None, :] + ((o % 16) * (PAGE // 16) + o // 16)[:, None]
+            ex = tl.load(kvs_ptr + soff, mask=ok[:, None], other=0)
+        pay = tl.load(kv_ptr + off, mask=ok[:, None], other=0)
+        tl.store(out_ptr + t64[:, None] * 64 + col[None, :], pay, mask=t_ok[:, None])
+        tl.store(outs_ptr + t64[:, None] * 4 + g[None, :], ex, mask=t_ok[:, None])
+    bad = tl.max((t_ok & ~ok).to(tl.int32), axis=0)
+    if bad != 0:
+        tl.atomic_or(flag_ptr, FLAG_CODE)
+
+
+def gather_index_cache(kv_cache, kv_cache_scale, block_table, cu_seqlens, layout, page_size, preshuffle, out,
+                       out_scale, flag, flag_code):
+    """The Triton backend of dsaquant.gather_index_cache (arguments validated by the op). Tokens without a
+    valid page get zeros and OR `flag_code` into `flag` (int32 [1])."""
+    T = out.shape[0]
+    if T == 0:
+        return
+    B = cu_seqlens.shape[0] - 1
+    lid = {"fp8_132": 0, "packed68": 1, "aiter_fp4": 2}[layout]
+    kv = kv_cache.view(torch.uint8)
+    kvs = kv_cache_scale if kv_cache_scale is not None else kv
+    outs = out_scale.view(torch.uint8)
+    BLOCK_T = 16 if (_interpreting() or out.device.type != "cuda") else 32
+    steps = max(1, int(B).bit_length())
+    _gather_kernel[(_cdiv(T, BLOCK_T),)](
+        kv, kvs, block_table, cu_seqlens, out.view(torch.uint8), outs, flag, T, B, block_table.shape[1],
+        kv_cache.shape[0], block_table.stride(0), PAGE=int(page_size), LAYOUT=lid, PRESHUFFLE=bool(preshuffle),
+        BLOCK_T=BLOCK_T, SEARCH_STEPS=steps, FLAG_CODE=int(flag_code), num_warps=4)
+
+
+OPS = {"mqa_logits": mqa_logits, "mqa_topk": mqa_topk, "gather_index_cache": gather_index_cache}
+
+
+# ------------------------------------------------------------------------------------------------
+# AOT compilation (tests/test_triton_prefill_aot.py)
+# ------------------------------------------------------------------------------------------------
+def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=False, fnuz=False, int_dot=True,
+                fp4_fp8=False, block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False, w_dtype="fp32",
+                num_warps=None, num_stages=None):
+    """Compile the mqa_logits kernel for a GPUTarget without a GPU (the launcher's default block sizes unless
+    given). Returns the CompiledKernel."""
+    from triton.compiler import ASTSource
+    lid = 2 if (layout == "fp4" and exact) else LAYOUT_IDS[layout]
+    bq_default, bkv_default, warps, stages = kernel_config(lid, H)
+    bq = block_q or bq_default
+    bkv = block_kv or bkv_default
+    fp8 = lid == 0
+    f8 = ("*fp8e4b8" if fnuz else "*fp8e4nv") if (fp8 and fp8_native) else "*u8"
+    sig = {"q_ptr": f8, "qs_ptr": f8 if fp8 else "*i32", "k_ptr": f8, "kf_ptr": "*fp32" if fp8 else "*i32",
+           "w_ptr": f"*{w_dtype}", "lo_ptr": "*i32", "hi_ptr": "*i32", "base_ptr": "*i32",
+           "out_ptr": "*bf16" if out_bf16 else "*fp32", "S": "i32", "SKV": "i32", "W": "i32", "tiles_per_prog": "i32",
+           "stride_w": "i32", "stride_out": "i32"}
+    cx = dict(H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=bool(fp8_native and fp8), FNUZ=bool(fnuz and fp8),
+              DOT_F32=False, DOT_INT=bool(int_dot), IMPRECISE=32, CLEAN=bool(clean), COMPRESSED=bool(compressed),
+              FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0,
+              FP4_FP8=bool(fp4_fp8 and lid == 1))
+    names = list(sig)
+    sig.update({k: "constexpr" for k in cx})
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    src = ASTSource(fn=_mqa_logits_kernel, signature=sig, constexprs=cx, attrs=attrs)
+    opts = dict(num_warps=num_warps or warps, num_stages=num_stages or (min(stages, 2) if target.backend == "hip"
+                                                                        else stages), enable_fp_fusion=lid != 2)
+    return triton.compile(src, target=target, options=opts)
+
+
+def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
+    """Compile the gather kernel for a GPUTarget without a GPU."""
+    from triton.compiler import ASTSource
+    sig = {"kv_ptr": "*u8", "kvs_ptr": "*u8", "bt_ptr": f"*{bt_dtype}", "cu_ptr": f"*{cu_dtype}", "out_ptr": "*u8",
+           "outs_ptr": "*u8", "flag_ptr": "*i32", "T": "i32", "B": "i32", "nblk": "i32", "num_pages": "i32",
+           "stride_bt": "i32"}
+    cx = dict(PAGE=page_size, LAYOUT={"fp8_132": 0, "packed68": 1, "aiter_fp4": 2}[layout],
+              PRESHUFFLE=bool(preshuffle), BLOCK_T=32, SEARCH_STEPS=4, FLAG_CODE=4)
+    names = list(sig)
+    sig.update({k: "constexpr" for k in cx})
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    src = ASTSource(fn=_gather_kernel, signature=sig, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
