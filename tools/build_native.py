@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SOURCES = ["src/bindings.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu",
-                "kernels/cuda/v4.cu", "kernels/cuda/scorer.cu"]
+                "kernels/cuda/v4.cu", "kernels/cuda/scorer.cu",
+                "kernels/cuda/topk.cu"]
 
 
 def find_nvcc() -> str | None:

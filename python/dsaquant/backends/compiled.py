@@ -202,6 +202,36 @@ def register_compiled(backend: str, mod) -> None:
         if lib is not None:
             splits = int(os.environ.get("DSAQUANT_SCORER_SPLITS", "0"))
             register(backend, "paged_mqa_logits", make_paged_mqa_logits(lib, splits))
+        if hasattr(lib, "dsq_topk_indices"):
+            register(backend, "topk_indices", _topk_over(lib))
+
+
+def _topk_over(lib):
+    """The cuda backend's topk_indices over kernels/cuda/topk.cu's C ABI (backends/topk_abi.py). Rows whose
+    min(k, L) exceeds the kernel's sort size go to the Triton kernel (same bytes)."""
+    from . import topk_abi
+
+    def topk_indices(logits, k, context_lens, next_n, ks, ke, relative, out):
+        if logits.shape[0] == 0:
+            return
+        dev = logits.device
+        chunks = topk_abi.plan_chunks(logits.shape[0], logits.shape[1], k, torch.cuda.get_device_properties(dev)
+                                      .multi_processor_count)
+        ws = torch.empty(max(1, topk_abi.workspace_bytes(logits.shape[0], logits.shape[1], k, chunks)),
+                         dtype=torch.uint8, device=dev)
+        dense = [t.contiguous() if t is not None else None for t in (context_lens, ks, ke)]
+        a = topk_abi.make_args(logits, k, dense[0], next_n, dense[1], dense[2], relative, out, workspace=ws,
+                               chunks=chunks)
+        with torch.cuda.device(dev):
+            rc = topk_abi.call(lib, a, torch.cuda.current_stream(dev).cuda_stream)
+        if rc == 1:   # cudaErrorInvalidValue: min(k, L) past the kernel's sort size, nothing written
+            from ..triton.topk import topk_indices as triton_topk
+            return triton_topk(logits, k, context_lens, next_n, ks, ke, relative, out)
+        if rc != 0:
+            raise RuntimeError(f"dsaquant: launching topk_indices failed with CUDA error {rc}")
+        return None
+
+    return topk_indices
 
 
 def load_and_register(backend: str, module: str, plugin: str, how: str) -> None:
