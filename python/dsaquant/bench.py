@@ -166,7 +166,7 @@ def v4_cases():
 
 
 def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print, v4=True,
-        scorer=True):
+        scorer=True, prefill=True):
     bw = copy_bandwidth()
     log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s")
     backends = backends or [b for b in ("cuda", "triton", "reference") if dispatch.available(b)[0]]
@@ -205,8 +205,12 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
         tc = tensor_core_ceilings()
         log("tensor-core ceilings (dense 8192^3 products): " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()))
         scorer_rows = bench_scorer.run([b for b in backends if b != "reference"], bw, tc.get("fp8"), log=log)
+    prefill_rows = []
+    if prefill and "triton" in backends:
+        from .bench_prefill import bench_prefill
+        prefill_rows = bench_prefill(log)
     return dict(copy_gb_s=bw, device=torch.cuda.get_device_name(), rows=rows, scorer=scorer_rows,
-                tensor_core_tflops=tc)
+                tensor_core_tflops=tc, prefill=prefill_rows)
 
 
 def format_table(res) -> str:
@@ -221,6 +225,9 @@ def format_table(res) -> str:
         out += ["", "tensor-core ceilings (dense 8192^3 products, same run): "
                 + (", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()) or "not measured"), ""]
         out += bench_scorer.format_rows(res["scorer"])
+    if res.get("prefill"):
+        from .bench_prefill import format_rows
+        out += ["", format_rows(res["prefill"])]
     return "\n".join(out)
 
 
@@ -232,6 +239,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
     p.add_argument("--no-scorer", action="store_true", help="skip the decode scorer rows")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill rows (mqa_logits, mqa_topk)")
     p.add_argument("--no-writers", action="store_true", help="skip the writer rows (indexer, k writers, V4 ops)")
     p.add_argument("--no-v4", action="store_true",
                    help="skip the DeepSeek-V4 rows (compress_kv decode/prefill, rope_rotate_quant T=8192 H=64)")
@@ -241,7 +249,7 @@ def main(argv=None):
         return
     tokens = () if a.no_writers else tuple(int(t) for t in a.tokens.split(","))
     res = run(tokens, a.heads, a.backends.split(",") if a.backends else None, v4=not (a.no_v4 or a.no_writers),
-              scorer=not a.no_scorer)
+              scorer=not a.no_scorer, prefill=not a.no_prefill)
     table = format_table(res)
     print(table)
     if a.json:
