@@ -216,7 +216,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
     V.tensor("start_pos", start_pos, (torch.int64,), (B,), dev)
     V.tensor("out_slots", out_slots, (torch.int64,), (T,), dev)
     V.tensor("norm_weight", norm_weight, (F32, BF16), (D,), dev)
-    V.number("epsilon", epsilon)
+    V.epsilon("epsilon", epsilon)
     if freqs is not None:
         V.tensor("freqs", freqs, (F32,), (None, 64), dev, last_contiguous=True)
         for name, t in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
