@@ -292,9 +292,21 @@ def test_bad_input_rejected_nothing_written(case, kind, mutate, exc, name):
             assert (u8(t) == POISON).all(), k
 
 
-def test_zero_tokens_is_a_noop():
-    a = make("fp4_shuffled", T=0)
-    v4ops.rope_rotate_quant(**a)
+@pytest.mark.parametrize("kind", ["fp4_shuffled", "bf16"])
+def test_zero_tokens_is_a_noop(kind):
+    """T = 0 writes nothing (outputs that are empty views of poisoned buffers keep every byte) and still
+    checks its arguments."""
+    full = make(kind, T=2)
+    a = make(kind, T=0)
+    for k in ("out", "out_scale"):
+        if k in a:
+            a[k] = full[k][:0]
+    assert v4ops.rope_rotate_quant(**a) is None
+    for k in ("out", "out_scale"):
+        if k in full:
+            assert (u8(full[k]) == POISON).all(), k
+    with pytest.raises(ValueError, match="^rope_dim"):
+        v4ops.rope_rotate_quant(**{**a, "rope_dim": 32})
 
 
 def test_compile_and_opcheck():

@@ -5,8 +5,6 @@ index_q_rope_pack_weights, rope_fake_quant_fp4, rmsnorm_rope_rotate_fp4quant_kvc
 paged_mqa_logits, convert_fp4_cache; DeepSeek-V4: compress_kv, rope_rotate_quant (COMPRESS_PRESETS). Low-level format math: dsaquant.formats.
 Backends: reference | triton | cuda | hip, chosen per call (backend=), by DSAQUANT_BACKEND, or automatically.
 """
-__version__ = "0.1.0"
-
 from . import formats  # noqa: F401
 from .constants import FP8_FLAVOURS, LAYOUTS, ROUNDINGS, SCALE_RULES, Layout, Rounding  # noqa: F401
 from .dispatch import BACKENDS, BackendUnavailable  # noqa: F401
@@ -16,3 +14,4 @@ from .ops import (convert_fp4_cache, index_k_norm_rope_pack_store, index_q_rope_
                   indexer_qk_rope_quant_and_cache, paged_mqa_logits, rmsnorm_rope_rotate_fp4quant_kvcache,
                   rope_fake_quant_fp4)
 from .v4ops import PRESETS as COMPRESS_PRESETS, compress_kv, rope_rotate_quant  # noqa: F401
+from .version import __version__  # noqa: F401

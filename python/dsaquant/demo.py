@@ -74,14 +74,25 @@ def run(T=2048, H=64, queries=16, page_size=64, device=None, backend=None, topk=
     return device, results
 
 
+def add_arguments(p) -> None:
+    """The demo's options, on an argparse parser (the CLI's `demo` subcommand uses them)."""
+    p.add_argument("--tokens", type=int, default=2048, help="T, the tokens written (default 2048)")
+    p.add_argument("--heads", type=int, default=64, help="H, the query heads (default 64)")
+    p.add_argument("--backend", default=None, choices=("reference", "triton", "cuda", "hip"),
+                   help="force a backend (default: the best available one for the device)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+
+
 def main(argv=None):
     import argparse
-    p = argparse.ArgumentParser(prog="python -m dsaquant demo")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--backend", default=None)
-    p.add_argument("--device", default=None)
+    p = argparse.ArgumentParser(prog="dsaquant demo", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
     a = p.parse_args(argv)
+    show(a)
+
+
+def show(a) -> None:
+    """Run the demo with parsed options `a` and print one row per cache layout."""
     from .dispatch import choose
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"indexer step: T={a.tokens} tokens, H={a.heads} heads, device {dev}, "
