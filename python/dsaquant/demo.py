@@ -26,6 +26,14 @@ def ground_truth(a, rows):
     return (torch.relu(dots) * a["weights"][rows].float().unsqueeze(-1)).sum(1) * a["weights_scale"]
 
 
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] for any dtype: float8 tensors are gathered through a uint8 view (older torch has no CPU
+    index kernel for float8)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)[rows].view(t.dtype)
+    return t[rows]
+
+
 def run(T=2048, H=64, queries=16, page_size=64, device=None, backend=None, topk=(512,)):
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = torch.arange(T - queries, T, device=device)
@@ -44,12 +52,12 @@ def run(T=2048, H=64, queries=16, page_size=64, device=None, backend=None, topk=
         ctx = torch.tensor([T], device=device, dtype=torch.int32)
         truth = ground_truth(a, rows)
         if mode == "fp8":
-            q = a["q_out"][rows].unsqueeze(0)
+            q = take_rows(a["q_out"], rows).unsqueeze(0)
             layouts = [("fp8_132", dict(q=q, kv_cache=a["kv_cache"], weights=a["weights_out"][rows],
                                         preshuffle=a["preshuffle"]))]
         else:
             from .reference.layouts import read_aiter_q_scale
-            q = a["q_out"][rows].unsqueeze(0)
+            q = take_rows(a["q_out"], rows).unsqueeze(0)
             qs_rows = a["q_scale_out"][rows]
             exps = read_aiter_q_scale(a["q_scale_out"], H)[rows].contiguous()      # [n, H, 4]
             packed = ops.convert_fp4_cache(a["kv_cache"], a["kv_cache_scale"], to="packed68")

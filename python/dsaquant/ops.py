@@ -4,7 +4,6 @@ Every op is registered as a `torch.library` custom op in the `dsaquant` namespac
 implementation and its mutated arguments declared, so torch.compile(fullgraph=True) and CUDA graphs
 see one opaque call. Rows are tokens (T); H is the number of heads; head_dim is always 128.
 """
-from __future__ import annotations
 
 from typing import Optional
 

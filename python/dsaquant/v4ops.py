@@ -5,7 +5,6 @@ RoPE + rotate + quant), following ops.py's pattern: validate (SPEC §7.5) -> dis
 `compress_kv` knobs can be filled by name from `PRESETS` (SPEC §7.6 table) with `preset=`; keywords given
 explicitly override the preset. See docs/compress_kv.md for the shapes, the ring and the presets.
 """
-from __future__ import annotations
 
 from typing import Optional
 
