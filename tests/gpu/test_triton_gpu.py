@@ -152,7 +152,7 @@ def test_indexer(c, mode):
 
 
 def build_indexer_case(c) -> dict:
-    """The arguments of one grid case (also used by ci/triton_repro.py)."""
+    """The arguments of one grid case."""
     f8 = torch.float8_e4m3fnuz if c["flavour"] == "e4m3fnuz" else torch.float8_e4m3fn
     a = tt.make_indexer(T=c["T"], H=c["H"], mode=c["mode"], device=DEV, seed=c["T"] * 131 + c["H"], scale=c["scale"],
                         rounding=c["policy"], is_neox=c["neox"], preshuffle=c["preshuffle"], scale_fmt=c["scale_fmt"],

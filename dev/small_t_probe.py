@@ -1,4 +1,4 @@
-"""Where a small indexer call's device time goes: python ci/small_t_probe.py [backend ...] (H = 64).
+"""Where a small indexer call's device time goes: python dev/small_t_probe.py [backend ...] (H = 64).
 
 Every row is a median of CUDA events around CUDA-graph replays (bench.time_graph, 100 calls per graph),
 and each isolates one part by the op's own semantics, without special builds:

@@ -1,8 +1,8 @@
 """Time indexer_qk_rope_quant_and_cache (FP8 and FP4, H=64) at a few T for launch variants on one backend,
 with the copy ceiling of the same run (the bench's own timing: medians of CUDA events around graph replays).
 
-  python ci/tune_indexer.py cuda LABEL          # the built module as it is (LABEL names its build flags)
-  python ci/tune_indexer.py triton 32x4 64x8    # Triton: rows x warps of the q programs (quant.LAUNCH)
+  python dev/tune_indexer.py cuda LABEL          # the built module as it is (LABEL names its build flags)
+  python dev/tune_indexer.py triton 32x4 64x8    # Triton: rows x warps of the q programs (quant.LAUNCH)
 TUNE_T="1 64 8192" (default) picks the token counts.
 """
 import os
