@@ -1,6 +1,6 @@
 """dsaquant: one set of bytes for the DeepSeek Sparse Attention indexer on every GPU.
 
-Ops (SPEC.md §7): indexer_qk_rope_quant_and_cache, index_k_norm_rope_pack_store,
+Ops (docs/spec.md §7): indexer_qk_rope_quant_and_cache, index_k_norm_rope_pack_store,
 index_q_rope_pack_weights, rope_fake_quant_fp4, rmsnorm_rope_rotate_fp4quant_kvcache,
 paged_mqa_logits, convert_fp4_cache; DeepSeek-V4: compress_kv, rope_rotate_quant (COMPRESS_PRESETS). Low-level format math: dsaquant.formats.
 Backends: reference | triton | cuda | hip, chosen per call (backend=), by DSAQUANT_BACKEND, or automatically.

@@ -9,7 +9,7 @@ The soft path runs on a subset of the grid (every op, policy, FP8 flavour and Ro
 compared and mismatching bytes are printed per op at the end (tests/gpu/conftest.py table, backend
 column "triton" / "triton-soft") and by test_zz_summary.
 
-Grid (issues 4/5): T in {1, 5, 64, 300, 4096}; H in {16, 32, 64, 128}; scales {1, 40, 1e-3, 1e-30}; rows of
+Grid: T in {1, 5, 64, 300, 4096}; H in {16, 32, 64, 128}; scales {1, 40, 1e-3, 1e-30}; rows of
 zeros, exact E2M1 midpoints, NaN/±Inf, tiny values and FMA-exposing RoPE pairs; every rounding policy; both
 RoPE styles; compress ratios 1, 2, 4; int32/int64 positions and slots; negative slots, slot 0, the last slot,
 random slot order, an out-of-range slot and out-of-range positions (the device error flag must equal the
