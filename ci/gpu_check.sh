@@ -32,7 +32,7 @@ python3 -m dsaquant info | tee "$OUT/info.txt"
 if has tests; then
   eval "extra=(${GPU_TESTS_ARGS:-})"   # e.g. GPU_TESTS_ARGS="-k 'cuda or native'"
   # -v --tb=short: each test's name and result is in the log as it happens, so a run stopped by the timeout
-  # still says which tests failed. The whole folder takes longer than one 10-minute device call with a cold
+  # still says which tests failed. The whole folder takes about ten minutes or more with a cold
   # Triton cache: split it by file (GPU_TESTS_FILES="tests/gpu/test_backend_exact.py" ...) when time is short.
   DSAQUANT_COUNTS_FILE="$OUT/counts.txt" DSAQUANT_BACKEND= timeout ${GPU_TESTS_TIMEOUT:-420} python3 -m pytest -v --tb=short \
     -rf -p no:cacheprovider ${GPU_TESTS_FILES:-tests/gpu} "${extra[@]}" >"$OUT/gpu_tests.log" 2>&1 || status=1
@@ -80,7 +80,7 @@ if has sanitize && command -v compute-sanitizer >/dev/null; then
     [ "$rc" = rc=0 ] || status=1
   done
 fi
-if [ -n "${GPU_CHECK_TAR:-}" ]; then   # at most 8 files come back from a device call: pack the logs into one
+if [ -n "${GPU_CHECK_TAR:-}" ]; then   # one archive of every log, for runners that keep few files
   tar czf /tmp/gpu_check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tgz "$OUT/"
 fi
 exit $status

@@ -1,6 +1,10 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the `slow` marker.
 
-Shared-header fixtures (issue 3): `header_host` builds tests/cpp/header_host.cpp, a pybind11 module
+`slow` marks every test of the files in SLOW_FILES: those that compile kernels or headers (nvcc, clang-22,
+g++, Triton AOT), run Triton kernels in the interpreter, or sweep large value sets. `pytest -m "not slow"`
+is the quick subset the README documents.
+
+Shared-header fixtures: `header_host` builds tests/cpp/header_host.cpp, a pybind11 module
 over src/include/dsaquant, with g++ and the SPEC §0 flags, once per source hash (cached under
 build/test_header/), and imports it.
 """
@@ -21,6 +25,20 @@ REPO = Path(__file__).resolve().parents[1]
 HEADER_DIR = REPO / "src" / "include"
 TESTS_CPP = REPO / "tests" / "cpp"
 # SPEC §0.1 / §0.6: no contraction, no fast-math, no flush-to-zero.
+SLOW_FILES = {
+    "test_compile.py", "test_cuda_module.py", "test_e2m1_exhaustive.py", "test_header_builds.py",
+    "test_header_host.py", "test_header_v4_host.py", "test_hip_build.py", "test_properties.py",
+    "test_triton_aot.py", "test_triton_fp4_packed.py", "test_triton_quant.py", "test_triton_scorer.py",
+    "test_triton_scorer_aot.py", "test_triton_v4.py", "test_v4_build.py", "test_v4_host.py", "test_wheels.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
 HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
 
 

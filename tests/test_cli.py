@@ -1,4 +1,5 @@
-"""The command line: `python -m dsaquant info` and `python -m dsaquant demo` on the CPU."""
+"""The command line (`dsaquant` / `python -m dsaquant`): info, demo on the CPU, --help of every subcommand,
+--version."""
 from __future__ import annotations
 
 import os
@@ -73,3 +74,49 @@ def test_demo_forced_unavailable_backend_fails(backend, monkeypatch):
     monkeypatch.delenv("DSAQUANT_BACKEND", raising=False)
     with pytest.raises(dsaquant.BackendUnavailable, match=backend):
         main(["demo", "--tokens", "64", "--heads", "16", "--backend", backend, "--device", "cpu"])
+
+
+def test_help_lists_every_subcommand(capsys):
+    from dsaquant.__main__ import COMMANDS, main
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dsaquant")
+    for name, text in COMMANDS.items():
+        assert re.search(rf"^\s+{name}\s+\S", out, re.M), (name, out)
+    assert set(COMMANDS) == {"info", "demo", "bench"}
+
+
+@pytest.mark.parametrize("cmd,options", [("info", []), ("demo", ["--tokens", "--heads", "--backend", "--device"]),
+                                         ("bench", ["--tokens", "--heads", "--backends", "--json", "--markdown",
+                                                    "--no-v4"])])
+def test_subcommand_help(cmd, options, capsys):
+    from dsaquant.__main__ import main
+    assert main([cmd, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: dsaquant {cmd}")
+    for o in options:
+        assert re.search(rf"^\s+{o}\b.*\S", out, re.M), (o, out)
+
+
+def test_version_is_the_one_everywhere(capsys):
+    """`dsaquant --version` prints dsaquant.__version__, and pyproject.toml and both plugins declare it."""
+    tomllib = pytest.importorskip("tomllib")          # Python >= 3.11
+    from pathlib import Path
+
+    import dsaquant
+    from dsaquant.__main__ import main
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dsaquant {dsaquant.__version__}"
+    root = Path(__file__).resolve().parents[1]
+    for path in ("pyproject.toml", "plugins/cuda13/pyproject.toml", "plugins/rocm7/pyproject.toml"):
+        meta = tomllib.loads((root / path).read_text())["project"]
+        assert meta["version"] == dsaquant.__version__, path
+    pins = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert pins["cuda13"] == [f"dsaquant-cuda13=={dsaquant.__version__}"]
+    assert pins["rocm7"] == [f"dsaquant-rocm7=={dsaquant.__version__}"]
+
+
+def test_usage_error_exits_2(capsys):
+    from dsaquant.__main__ import main
+    assert main(["demo", "--tokens", "many"]) == 2
+    assert "--tokens" in capsys.readouterr().err

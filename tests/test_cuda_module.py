@@ -1,4 +1,4 @@
-"""The compiled CUDA module (issue 4): built by the package's own build where nvcc exists, it links the
+"""The compiled CUDA module: built by the package's own build where nvcc exists, it links the
 CUDA runtime statically and no libtorch, so it imports under any torch version; the cuda backend
 registers every writer op. Skipped where the module was not built (no nvcc)."""
 import importlib.util

@@ -1,4 +1,4 @@
-"""Edge sizes and server-style inputs for the five writer ops, on the CPU reference (issue 8, reliability).
+"""Edge sizes and server-style inputs for the five writer ops, on the CPU reference (reliability).
 
 - T = 0 is a no-op for every op (nothing written, no error flag), with the host checks off and on;
 - T = 1; H not a multiple of 16 in FP8 mode (and for the sglang ops) works; FP4 mode rejects it;

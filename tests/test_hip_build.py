@@ -1,4 +1,4 @@
-"""HIP build checks (issue 6), on any machine: nothing runs on a GPU.
+"""HIP build checks, on any machine: nothing runs on a GPU.
 
 tools/build_hip.py hipifies kernels/cuda/* and src/bindings.cpp (torch.utils.hipify) into build/hip/ and compiles
 every HIP translation unit, device pass only, for gfx942 (MI300) and gfx950 (MI355) with clang-22 (or

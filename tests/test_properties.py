@@ -1,4 +1,4 @@
-"""Hypothesis property tests of every writer op (issue 8, reliability).
+"""Hypothesis property tests of every writer op (reliability).
 
 Cases are drawn, not enumerated: T in 0..40, H (any 1..40 in FP8 mode and for the sglang ops, 16 or 32 in
 FP4 mode), page sizes 16/32/64 and caches of exactly one page, values of every class (normal, subnormal,
@@ -10,7 +10,7 @@ compress ratio, Hadamard, cache layouts and shapes, input/weight/table dtypes).
 
 Two kinds of property:
 
-(a) `test_reference_*`: the reference obeys invariants derived from SPEC.md without reusing its encoders.
+(a) `test_reference_*`: the reference obeys invariants derived from docs/spec.md without reusing its encoders.
     The expected bytes are recomputed here from the quantizer's input (the reference's RoPE/norm transforms,
     which tests/test_transforms.py checks separately) with independent code: UE8M0 exponents from
     torch.frexp, E2M1 codes as "the nearest grid point, ties by the policy's rule", E4M3 codes by torch's

@@ -14,6 +14,7 @@ import torch
 import dsaquant
 from dsaquant import testing as tt
 from dsaquant import v4ops
+from dsaquant.reference.compress import FP4_OUT_DTYPES
 
 POISON = 0xA5
 F = np.float32
@@ -109,13 +110,15 @@ def shuffled_scales(exps, H):
 KINDS = {  # name -> (x dtype, out dtype, shuffle_scale, group_size, rounding)
     "fp4_shuffled": (torch.bfloat16, torch.uint8, True, None, "hardware"),
     "fp4_dense_rne": (torch.bfloat16, torch.uint8, False, None, "rne"),
-    "fp4x2_dtype_threshold": (torch.float16, torch.float4_e2m1fn_x2, True, None, "threshold"),
     "fp4_dense_g16": (torch.bfloat16, torch.uint8, False, 16, "hardware"),
     "fp8_e4m3fn": (torch.bfloat16, torch.float8_e4m3fn, True, None, "hardware"),
     "fp8_e4m3fnuz_g64": (torch.bfloat16, torch.float8_e4m3fnuz, False, 64, "hardware"),
     "bf16": (torch.bfloat16, torch.bfloat16, True, None, "hardware"),
     "fp16": (torch.float16, torch.float16, True, None, "hardware"),
 }
+FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)      # torch >= 2.8
+if FP4X2 is not None:
+    KINDS["fp4x2_dtype_threshold"] = (torch.float16, FP4X2, True, None, "threshold")
 
 
 def make(kind, T=3, H=16, D=128, seed=0, max_pos=4096, scale=2.0):
@@ -127,7 +130,7 @@ def make(kind, T=3, H=16, D=128, seed=0, max_pos=4096, scale=2.0):
     a = dict(x=x, cos_cache=cos, sin_cache=sin, positions=pos, shuffle_scale=shuffle, rounding=rounding)
     if g is not None:
         a["group_size"] = g
-    if odt in (torch.uint8, torch.float4_e2m1fn_x2):
+    if odt in FP4_OUT_DTYPES:
         a["out"] = tt.poisoned((T, H, D // 2), torch.uint8, "cpu").view(odt)
         gs = g or 32
         a["out_scale"] = (tt.poisoned((T, D // 128, 4, 16, (H // 16 + 3) // 4 * 4), torch.uint8, "cpu") if shuffle
@@ -150,7 +153,7 @@ def expected(a, had):
                          had)
     out = a["out"]
     H = x.shape[1]
-    if out.dtype in (torch.uint8, torch.float4_e2m1fn_x2):
+    if out.dtype in FP4_OUT_DTYPES:
         payload, exps = np_fp4(y, a.get("group_size", 32), a["rounding"])
         return payload, shuffled_scales(exps, H) if a["shuffle_scale"] else exps
     if out.dtype in FMAX:
@@ -163,7 +166,7 @@ def expected(a, had):
 @pytest.mark.parametrize("D", [128, 256, 512, 1024])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_vs_oracle(kind, D, had):
-    shuffled = KINDS[kind][2] and KINDS[kind][1] in (torch.uint8, torch.float4_e2m1fn_x2)
+    shuffled = KINDS[kind][2] and KINDS[kind][1] in FP4_OUT_DTYPES
     a = make(kind, D=D, H=16 if shuffled else 4, seed=D + had)
     want, want_scale = expected(a, had)
     v4ops.rope_rotate_quant(hadamard=had, **a)
@@ -181,9 +184,10 @@ def test_in_place_bf16_equals_out_of_place():
     assert np.array_equal(u8(x), u8(a["out"]))
 
 
+@pytest.mark.skipif(FP4X2 is None, reason="this torch has no float4_e2m1fn_x2 dtype")
 def test_fp4x2_and_uint8_give_the_same_bytes():
     a = make("fp4_shuffled", D=512, seed=4)
-    b = {**a, "out": a["out"].clone().view(torch.float4_e2m1fn_x2), "out_scale": a["out_scale"].clone()}
+    b = {**a, "out": a["out"].clone().view(FP4X2), "out_scale": a["out_scale"].clone()}
     v4ops.rope_rotate_quant(**a)
     v4ops.rope_rotate_quant(**b)
     assert np.array_equal(u8(a["out"]), u8(b["out"])) and np.array_equal(u8(a["out_scale"]), u8(b["out_scale"]))
@@ -292,9 +296,21 @@ def test_bad_input_rejected_nothing_written(case, kind, mutate, exc, name):
             assert (u8(t) == POISON).all(), k
 
 
-def test_zero_tokens_is_a_noop():
-    a = make("fp4_shuffled", T=0)
-    v4ops.rope_rotate_quant(**a)
+@pytest.mark.parametrize("kind", ["fp4_shuffled", "bf16"])
+def test_zero_tokens_is_a_noop(kind):
+    """T = 0 writes nothing (outputs that are empty views of poisoned buffers keep every byte) and still
+    checks its arguments."""
+    full = make(kind, T=2)
+    a = make(kind, T=0)
+    for k in ("out", "out_scale"):
+        if k in a:
+            a[k] = full[k][:0]
+    assert v4ops.rope_rotate_quant(**a) is None
+    for k in ("out", "out_scale"):
+        if k in full:
+            assert (u8(full[k]) == POISON).all(), k
+    with pytest.raises(ValueError, match="^rope_dim"):
+        v4ops.rope_rotate_quant(**{**a, "rope_dim": 32})
 
 
 def test_compile_and_opcheck():

@@ -273,7 +273,7 @@ def test_end_to_end_fp8():
     rows, ctx_b, ctx_bn = _ctx_forms(T, N)
     bt = torch.arange(a["kv_cache"].shape[0], dtype=torch.int32).view(1, -1)
     for ctx_arg, ctx in ((ctx_b, torch.full((N,), T)), (ctx_bn, ctx_bn.view(N))):
-        logits = dsaquant.paged_mqa_logits(a["q_out"][rows].unsqueeze(0), a["kv_cache"], a["weights_out"][rows],
+        logits = dsaquant.paged_mqa_logits(a["q_out"][T - N:].unsqueeze(0), a["kv_cache"], a["weights_out"][rows],
                                            ctx_arg, bt, T, layout="fp8_132")
         truth = _truth(q[rows], k, a["weights"][rows] * a["weights_scale"], ctx, T)
         cos_, top = _cosine(logits, truth), _topk_overlap(logits, truth, ctx)

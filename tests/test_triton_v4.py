@@ -169,7 +169,9 @@ def _rr_cases():
         for had in (True, False):
             add(f"fp4-shuffled-D{D}-H{H}-h{int(had)}", D=D, H=H, hadamard=had, T=2 if D == 1024 else 3)
     add("fp4-shuffled-H64-rne-T5", H=64, T=5, rounding="rne")
-    add("fp4x2-shuffled-threshold-fp16", out="fp4x2", dtype="float16", rounding="threshold")
+    import torch
+    if hasattr(torch, "float4_e2m1fn_x2"):             # torch >= 2.8
+        add("fp4x2-shuffled-threshold-fp16", out="fp4x2", dtype="float16", rounding="threshold")
     add("fp4-dense-g32-rne-D512", D=512, H=4, shuffle=False, rounding="rne")
     add("fp4-dense-g16-hw-D256-f32x", D=256, H=2, shuffle=False, group=16, dtype="float32")
     add("fp4-dense-g128-thr-D128", H=8, shuffle=False, group=128, rounding="threshold", hadamard=False)

@@ -315,7 +315,6 @@ def test_compress_kv_presets(ops, emu, preset):
 ROTATE = {  # name -> (x dtype, out dtype, shuffle_scale, group (None: D), rounding)
     "fp4_shuffled_hw": (BF16, torch.uint8, True, 32, "hardware"),
     "fp4_dense_rne_g16": (BF16, torch.uint8, False, 16, "rne"),
-    "fp4x2_threshold_g64": (F16, torch.float4_e2m1fn_x2, False, 64, "threshold"),
     "fp4_dense_gD_f32": (F32, torch.uint8, False, None, "hardware"),
     "fp8_fn_g128": (BF16, torch.float8_e4m3fn, False, 128, "hardware"),
     "fp8_fnuz_g16": (BF16, torch.float8_e4m3fnuz, False, 16, "hardware"),
@@ -324,6 +323,8 @@ ROTATE = {  # name -> (x dtype, out dtype, shuffle_scale, group (None: D), round
     "fp16": (F16, F16, True, 0, "hardware"),
     "bf16_strided_out": (BF16, "strided", True, 0, "hardware"),
 }
+if hasattr(torch, "float4_e2m1fn_x2"):                 # torch >= 2.8
+    ROTATE["fp4x2_threshold_g64"] = (F16, torch.float4_e2m1fn_x2, False, 64, "threshold")
 
 
 def rotate_case(kind, D, had, H=16, T=3, seed=0, max_pos=64):

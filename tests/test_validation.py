@@ -484,3 +484,57 @@ def test_zero_length_scorer_context():
     a["context_lens"] = torch.zeros(2, dtype=torch.int32)
     out = fn(**a)
     assert out.shape == (2, 0) and out.dtype == torch.float32
+
+
+# ---- float scalars: NaN and infinities rejected (ValueError naming the argument), nothing written ----
+def _compress():
+    return dsaquant.compress_kv, tt.make_compress_kv(lens=(8,), quant_mode="fp4"), ["cache", "state_kv",
+                                                                                      "state_score"]
+
+
+# (base, argument): every float scalar of every op. `eps`/`epsilon` are norm epsilons (also rejected < 0).
+FLOAT_ARGS = [("indexer_fp8", "epsilon"), ("indexer_fp8", "weights_scale"), ("indexer_fp4", "epsilon"),
+              ("indexer_fp4", "weights_scale"), ("k_store", "eps"), ("q_pack", "weight_scale"),
+              ("v4_aiter", "epsilon"), ("v4_dense", "epsilon"), ("scorer_fp8", "weight_scale"),
+              ("scorer_packed68", "weight_scale"), ("scorer_aiter", "weight_scale"), ("compress_kv", "epsilon")]
+FLOAT_BASES = {**BASES, "compress_kv": _compress}
+
+
+def _bytes(t):
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+def _rejected(base, arg, value, match):
+    """Call base with arg=value: a ValueError whose message matches, and no tensor argument changed."""
+    fn, a, _ = FLOAT_BASES[base]()
+    a[arg] = value
+    before = {n: _bytes(t) for n, t in a.items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(ValueError) as ei:
+        fn(**a)
+    assert type(ei.value) is ValueError and ei.value.args[0] == match, ei.value
+    for n, t in a.items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(_bytes(t), before[n]), f"{n} was written by a rejected call"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("base,arg", FLOAT_ARGS, ids=[f"{b}-{n}" for b, n in FLOAT_ARGS])
+def test_non_finite_float_scalar(base, arg, value):
+    _rejected(base, arg, value, f"{arg}: expected a finite number, got {value!r}")
+
+
+EPS_ARGS = [c for c in FLOAT_ARGS if c[1] in ("eps", "epsilon")]
+
+
+@pytest.mark.parametrize("base,arg", EPS_ARGS, ids=[f"{b}-{n}" for b, n in EPS_ARGS])
+def test_negative_epsilon(base, arg):
+    _rejected(base, arg, -1e-6, f"{arg}: expected a number >= 0, got -1e-06")
+
+
+@pytest.mark.parametrize("base,arg", FLOAT_ARGS, ids=[f"{b}-{n}" for b, n in FLOAT_ARGS])
+def test_finite_float_scalar_accepted(base, arg):
+    """The rejections above are about the value only: the same call with a finite value (an int, or an
+    epsilon of 0) runs."""
+    fn, a, _ = FLOAT_BASES[base]()
+    a[arg] = 0.0 if (base, arg) in EPS_ARGS else 2
+    fn(**a)

@@ -1,4 +1,4 @@
-"""Issue 9: the pure-Python wheel and the CUDA 13 plugin wheel build from this tree, the plugin links no
+"""The pure-Python wheel and the CUDA 13 plugin wheel build from this tree, the plugin links no
 libtorch, and both installed into a fresh virtual environment give a working `python -m dsaquant info` with
 the cuda backend found through the plugin. Needs nvcc (skipped without it) and a few minutes of CPU."""
 import os

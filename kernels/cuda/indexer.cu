@@ -6,7 +6,7 @@
 // FP4 block of 32 is the a's or the b's of 4 lanes, the FP8 row is the group, and the canonical sum's
 // levels are: in-lane (partials i, i+16), lanes l ^ 4, l ^ 2, l ^ 1, in-lane (partials 2l, 2l+1).
 // Eight values per lane (not four) halve the per-row work (scales, shuffles, stores, addresses) per value:
-// measured on the H200 (benchmarks/results/h200-2026-11-29-s3/NOTES.md).
+// faster on the H200 (dev/indexer_variants.sh builds and times such variants).
 //
 // Blocks of 256 threads (32 groups). The q blocks come first. At large T (whole-token mode) warp w of q
 // block b takes token 8b + w: its 4 groups share the token's heads (H/4 each at most), so the per-token
@@ -15,8 +15,8 @@
 // over several SMs (latency). q rows arrive either through registers (kHeadsInFlight heads loaded before
 // any is processed: FP8, AMD, small T) or, for FP4 at large T on NVIDIA, through a per-thread cp.async ring
 // in shared memory (kStages - 1 heads in flight, no registers held: q_heads), where the warp's RoPE entries
-// also wait (read again per head: the 16 registers they free keep the output addresses in registers; H200,
-// session 6: 51.2 -> 49.0 us at T=8192). The last ceil(T/32) blocks
+// also wait (read again per head: the 16 registers they free keep the output addresses in registers; H200:
+// 51.2 -> 49.0 us at T=8192). The last ceil(T/32) blocks
 // are k blocks, one k row per group; a k block shares the norm weights through shared memory, loaded with
 // the rows (at small T the k row is the call's critical path). 1-D grid (no 65535 limit).
 // Template parameters: MODE 0 = FP8; 1, 2, 3 = FP4 with rounding policy MODE-1 (SPEC §2); IN_DT the
@@ -30,13 +30,13 @@
 namespace dsqk {
 namespace {
 
-// Tuning (measured on the H200: benchmarks/results/h200-2026-11-29-s3/NOTES.md); macros so that a
+// Tuning (the values below were the fastest on the H200, dev/indexer_variants.sh); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows a group loads before processing them
 #if defined(__HIP__)
 #define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 1   // AMD: 2 spills SGPRs on gfx942 (not measured on AMD silicon)
 #else
-#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2   // H200: 54.8 us against 61.3 with 1 (session 4, run 5)
+#define DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 2   // H200: 54.8 us against 61.3 with 1
 #endif
 #endif
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP4   // FP4 is bound by instruction issue, not by loads in flight
@@ -51,10 +51,10 @@ namespace {
 #define DSQ_INDEXER_STAGES_FP4 0
 #endif
 #ifndef DSQ_INDEXER_STAGES_FP8
-#define DSQ_INDEXER_STAGES_FP8 0   // H200: 66-71 us with 3-6 slots against 60 from registers (session 5, run 1)
+#define DSQ_INDEXER_STAGES_FP8 0   // H200: 66-71 us with 3-6 slots against 60 from registers
 #endif
 #ifndef DSQ_INDEXER_STAGES_FP4
-#define DSQ_INDEXER_STAGES_FP4 4   // H200: 57.4 us against 63.0 from registers (session 5, run 1)
+#define DSQ_INDEXER_STAGES_FP4 4   // H200: 57.4 us against 63.0 from registers
 #endif
 #ifndef DSQ_INDEXER_MIN_BLOCKS_FP8       // resident blocks per SM asked of the register allocator
 #define DSQ_INDEXER_MIN_BLOCKS_FP8 4
@@ -62,7 +62,7 @@ namespace {
 #ifndef DSQ_INDEXER_MIN_BLOCKS_FP4
 #define DSQ_INDEXER_MIN_BLOCKS_FP4 4
 #endif
-// T * ceil(H/32) from which a q warp takes a whole token (H200, session 6 run 7, H = 64: FP8 T=1024 12.07 us
+// T * ceil(H/32) from which a q warp takes a whole token (H200, H = 64: FP8 T=1024 12.07 us
 // in chunks against 15.48 whole, T=2048 19.13 whole against 21.31; FP4 T=1024 11.62 whole against 11.93).
 #ifndef DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP8
 #define DSQ_INDEXER_WHOLE_TOKEN_UNITS_FP8 4096
@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : 
   const int64_t b = static_cast<int64_t>(blockIdx.x) - nk_first;
   if (b >= 0 && b < nq) {
 #if !defined(__HIP__)
-    // NVIDIA: a call site per mode, each with its team size fixed (H200, session 5: FP8 55 us against
+    // NVIDIA: a call site per mode, each with its team size fixed (H200: FP8 55 us against
     // 60 us with one call site). AMD: one call site (two inlined copies spill SGPRs on gfx942).
     if (chunks == 0) {
       const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);

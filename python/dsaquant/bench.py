@@ -231,10 +231,10 @@ def format_table(res) -> str:
     return "\n".join(out)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dsaquant bench")
-    p.add_argument("--tokens", default="1,16,64,1024,8192")
-    p.add_argument("--heads", type=int, default=64)
+def add_arguments(p) -> None:
+    """The bench's options, on an argparse parser (the CLI's `bench` subcommand uses them)."""
+    p.add_argument("--tokens", default="1,16,64,1024,8192", help="comma list of T (default 1,16,64,1024,8192)")
+    p.add_argument("--heads", type=int, default=64, help="H, the query heads (default 64)")
     p.add_argument("--backends", default=None, help="comma list (default: every available GPU backend)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
@@ -243,7 +243,16 @@ def main(argv=None):
     p.add_argument("--no-writers", action="store_true", help="skip the writer rows (indexer, k writers, V4 ops)")
     p.add_argument("--no-v4", action="store_true",
                    help="skip the DeepSeek-V4 rows (compress_kv decode/prefill, rope_rotate_quant T=8192 H=64)")
-    a = p.parse_args(argv)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="dsaquant bench", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    show(p.parse_args(argv))
+
+
+def show(a) -> None:
+    """Run the bench with parsed options `a`, print the table, write --json / --markdown."""
     if not torch.cuda.is_available():
         print("bench needs a CUDA/ROCm GPU (none found); nothing to time")
         return

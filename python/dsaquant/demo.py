@@ -26,6 +26,14 @@ def ground_truth(a, rows):
     return (torch.relu(dots) * a["weights"][rows].float().unsqueeze(-1)).sum(1) * a["weights_scale"]
 
 
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] for any dtype: float8 tensors are gathered through a uint8 view (older torch has no CPU
+    index kernel for float8)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)[rows].view(t.dtype)
+    return t[rows]
+
+
 def run(T=2048, H=64, queries=16, page_size=64, device=None, backend=None, topk=(512,)):
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = torch.arange(T - queries, T, device=device)
@@ -44,12 +52,12 @@ def run(T=2048, H=64, queries=16, page_size=64, device=None, backend=None, topk=
         ctx = torch.tensor([T], device=device, dtype=torch.int32)
         truth = ground_truth(a, rows)
         if mode == "fp8":
-            q = a["q_out"][rows].unsqueeze(0)
+            q = take_rows(a["q_out"], rows).unsqueeze(0)
             layouts = [("fp8_132", dict(q=q, kv_cache=a["kv_cache"], weights=a["weights_out"][rows],
                                         preshuffle=a["preshuffle"]))]
         else:
             from .reference.layouts import read_aiter_q_scale
-            q = a["q_out"][rows].unsqueeze(0)
+            q = take_rows(a["q_out"], rows).unsqueeze(0)
             qs_rows = a["q_scale_out"][rows]
             exps = read_aiter_q_scale(a["q_scale_out"], H)[rows].contiguous()      # [n, H, 4]
             packed = ops.convert_fp4_cache(a["kv_cache"], a["kv_cache_scale"], to="packed68")
@@ -74,14 +82,25 @@ def run(T=2048, H=64, queries=16, page_size=64, device=None, backend=None, topk=
     return device, results
 
 
+def add_arguments(p) -> None:
+    """The demo's options, on an argparse parser (the CLI's `demo` subcommand uses them)."""
+    p.add_argument("--tokens", type=int, default=2048, help="T, the tokens written (default 2048)")
+    p.add_argument("--heads", type=int, default=64, help="H, the query heads (default 64)")
+    p.add_argument("--backend", default=None, choices=("reference", "triton", "cuda", "hip"),
+                   help="force a backend (default: the best available one for the device)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+
+
 def main(argv=None):
     import argparse
-    p = argparse.ArgumentParser(prog="python -m dsaquant demo")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--backend", default=None)
-    p.add_argument("--device", default=None)
+    p = argparse.ArgumentParser(prog="dsaquant demo", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
     a = p.parse_args(argv)
+    show(a)
+
+
+def show(a) -> None:
+    """Run the demo with parsed options `a` and print one row per cache layout."""
     from .dispatch import choose
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"indexer step: T={a.tokens} tokens, H={a.heads} heads, device {dev}, "

@@ -5,7 +5,8 @@ import platform
 
 import torch
 
-from . import __version__, dispatch
+from . import dispatch
+from .version import __version__
 
 
 def info() -> dict:

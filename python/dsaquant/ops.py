@@ -4,7 +4,6 @@ Every op is registered as a `torch.library` custom op in the `dsaquant` namespac
 implementation and its mutated arguments declared, so torch.compile(fullgraph=True) and CUDA graphs
 see one opaque call. Rows are tokens (T); H is the number of heads; head_dim is always 128.
 """
-from __future__ import annotations
 
 from typing import Optional
 
@@ -77,7 +76,7 @@ def indexer_qk_rope_quant_and_cache(q, q_out, weights, weights_out, k, kv_cache,
     T, H = q.shape[0], q.shape[1]
     dev = q.device
     V.choice("rounding", rounding, POLICIES)
-    V.number("epsilon", epsilon)
+    V.epsilon("epsilon", epsilon)
     V.number("weights_scale", weights_scale)
     V.number("quant_block_size", quant_block_size, (int,))
     V.flag("preshuffle", preshuffle)
@@ -170,7 +169,7 @@ def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, c
     V.tensor("k", k, V.HALFS, (None, D), last_contiguous=True)
     T, dev = k.shape[0], k.device
     V.tensor("norm_weight", norm_weight, V.FLOATS, (D,), dev)
-    V.number("eps", eps)
+    V.epsilon("eps", eps)
     V.tensor("positions", positions, V.INDEX, (T,), dev)
     _check_freqs(freqs, dev)
     V.tensor("slots", slots, V.INDEX, (T,), dev)
@@ -299,7 +298,7 @@ def rmsnorm_rope_rotate_fp4quant_kvcache(kv, norm_weight, epsilon, positions, co
         raise ValueError(f"kv: expected shape [T, 128] or [T, Hk, 128], got {list(kv.shape)}")
     T, dev = kv.shape[0], kv.device
     V.tensor("norm_weight", norm_weight, V.FLOATS, (D,), dev)
-    V.number("epsilon", epsilon)
+    V.epsilon("epsilon", epsilon)
     V.tensor("positions", positions, V.INDEX, (T,), dev)
     V.tensor("cos_cache", cos_cache, V.FLOATS, (None, 32), dev, last_contiguous=True)
     V.tensor("sin_cache", sin_cache, (cos_cache.dtype,), (cos_cache.shape[0], 32), dev, last_contiguous=True)

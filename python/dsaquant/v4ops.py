@@ -5,7 +5,6 @@ RoPE + rotate + quant), following ops.py's pattern: validate (SPEC §7.5) -> dis
 `compress_kv` knobs can be filled by name from `PRESETS` (SPEC §7.6 table) with `preset=`; keywords given
 explicitly override the preset. See docs/compress_kv.md for the shapes, the ring and the presets.
 """
-from __future__ import annotations
 
 from typing import Optional
 
@@ -216,7 +215,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
     V.tensor("start_pos", start_pos, (torch.int64,), (B,), dev)
     V.tensor("out_slots", out_slots, (torch.int64,), (T,), dev)
     V.tensor("norm_weight", norm_weight, (F32, BF16), (D,), dev)
-    V.number("epsilon", epsilon)
+    V.epsilon("epsilon", epsilon)
     if freqs is not None:
         V.tensor("freqs", freqs, (F32,), (None, 64), dev, last_contiguous=True)
         for name, t in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):

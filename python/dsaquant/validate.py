@@ -3,6 +3,7 @@ ValueError (wrong shape, size, device, layout or option) naming the argument, wh
 what was given, before anything is launched or written."""
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -45,8 +46,20 @@ def choice(name: str, value, options: Sequence) -> None:
 
 
 def number(name: str, value, kinds=(int, float)) -> None:
+    """A Python int (or float, where `kinds` allows it), never a bool. A float must be finite: a NaN or an
+    infinity would reach every element of the output, so it is rejected here like any other bad argument."""
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise TypeError(f"{name}: expected a Python {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+
+
+def epsilon(name: str, value) -> None:
+    """A norm's epsilon: a finite Python number >= 0. A negative epsilon can make `var + eps` negative and
+    its square root NaN for ordinary rows; 0 is allowed (the exact-arithmetic tests use it, SPEC §5)."""
+    number(name, value)
+    if value < 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
 
 
 def flag(name: str, value) -> None:

@@ -1,5 +1,5 @@
 """The hardware converts the CUDA kernels use (e4m3fn pairs on sm_89+, bf16 and fp16 rounding on sm_80+)
-against the header's software definitions, over every fp32 bit pattern (2^32), on the GPU. Issue 3: a
+against the header's software definitions, over every fp32 bit pattern (2^32), on the GPU. A
 native instruction is used only where a test on that hardware shows it identical."""
 import pytest
 import torch

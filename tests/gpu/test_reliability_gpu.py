@@ -1,4 +1,4 @@
-"""Reliability on a GPU (issue 8): every compiled/Triton backend against backend="reference" on CUDA tensors.
+"""Reliability on a GPU: every compiled/Triton backend against backend="reference" on CUDA tensors.
 
 For each backend in ("cuda", "triton") that dispatch.available() reports:
 - server-style strided inputs (the builders' fused/odd-offset views and tests/test_edge_cases.py's

@@ -9,7 +9,7 @@ The soft path runs on a subset of the grid (every op, policy, FP8 flavour and Ro
 compared and mismatching bytes are printed per op at the end (tests/gpu/conftest.py table, backend
 column "triton" / "triton-soft") and by test_zz_summary.
 
-Grid (issues 4/5): T in {1, 5, 64, 300, 4096}; H in {16, 32, 64, 128}; scales {1, 40, 1e-3, 1e-30}; rows of
+Grid: T in {1, 5, 64, 300, 4096}; H in {16, 32, 64, 128}; scales {1, 40, 1e-3, 1e-30}; rows of
 zeros, exact E2M1 midpoints, NaN/±Inf, tiny values and FMA-exposing RoPE pairs; every rounding policy; both
 RoPE styles; compress ratios 1, 2, 4; int32/int64 positions and slots; negative slots, slot 0, the last slot,
 random slot order, an out-of-range slot and out-of-range positions (the device error flag must equal the
@@ -152,7 +152,7 @@ def test_indexer(c, mode):
 
 
 def build_indexer_case(c) -> dict:
-    """The arguments of one grid case (also used by ci/triton_repro.py)."""
+    """The arguments of one grid case."""
     f8 = torch.float8_e4m3fnuz if c["flavour"] == "e4m3fnuz" else torch.float8_e4m3fn
     a = tt.make_indexer(T=c["T"], H=c["H"], mode=c["mode"], device=DEV, seed=c["T"] * 131 + c["H"], scale=c["scale"],
                         rounding=c["policy"], is_neox=c["neox"], preshuffle=c["preshuffle"], scale_fmt=c["scale_fmt"],
@@ -252,52 +252,18 @@ def test_v4_k(T, layout, mode):
                  f"T{T} {layout} {policy}", oob=oob)
 
 
-# ---- the closing tally and a bandwidth figure (printed, not asserted) ---------------------------------------
-def test_zz_bandwidth_indexer():
-    """indexer_qk_rope_quant_and_cache at T=8192, H=64 (FP8 and FP4 modes) as a fraction of the copy bandwidth
-    (a device-to-device copy of the same number of bytes). Printed for the record; the target is >= 60 %."""
-    import triton.testing as tt_bench
-    T, H = 8192, 64
-    lines = []
-    x = torch.empty(T * H * 128 * 2, dtype=torch.uint8, device=DEV)
-    y = torch.empty_like(x)
-    ms_copy = tt_bench.do_bench(lambda: y.copy_(x), warmup=25, rep=200)
-    copy_bw = 2 * x.numel() / (ms_copy * 1e-3)
-    for mode in ("fp8", "fp4"):
-        a = tt.make_indexer(T=T, H=H, mode=mode, device=DEV, seed=1)
-        args = (a["q"], a["q_out"], a["weights"], a["weights_out"], a["k"], a["kv_cache"], a["slot_mapping"],
-                a["norm_weight"], a["norm_bias"], a["positions"], a["cos_cache"], a["sin_cache"], a["epsilon"],
-                a["quant_block_size"], a["scale_fmt"], a["weights_scale"], a["preshuffle"], a["is_neox"],
-                a["compute_all_q_rope"], a.get("q_scale_out"), a.get("kv_cache_scale"), a["rounding"], "e4m3fn", 64)
-        fn = lambda: quant.indexer_qk_rope_quant_and_cache(*args)  # noqa: E731
-        fn()
-        try:
-            ms = tt_bench.do_bench_cudagraph(fn, rep=200)
-        except Exception:
-            ms = tt_bench.do_bench(fn, warmup=25, rep=200)
-        moved = sum(t.numel() * t.element_size() for t in (a["q"], a["q_out"], a["weights"], a["weights_out"], a["k"]))
-        moved += T * (132 if mode == "fp8" else 68) + (a["q_scale_out"].numel() if mode == "fp4" else 0)
-        bw = moved / (ms * 1e-3)
-        lines.append(f"indexer {mode} T={T} H={H}: {ms * 1e3:8.1f} us, {bw / 1e9:7.0f} GB/s = "
-                     f"{100 * bw / copy_bw:5.1f} % of copy ({copy_bw / 1e9:.0f} GB/s)")
-    print("\n" + "\n".join(lines))
-    COUNTS_NOTE.extend(lines)
-
-
-COUNTS_NOTE: list = []
-
-
+# ---- the closing tally (speed is measured by `python -m dsaquant bench`, which has the indexer rows) ----
 def test_zz_summary():
-    """Print the comparison counts of this file (also in the conftest table) and the bandwidth lines."""
+    """Print the comparison counts of this file (also in the conftest table)."""
     if not TOTAL:
         pytest.skip("no cases ran")
     lines = [f"{'path':<12} {'op':<40} {'cases':>6} {'bytes compared':>15} {'mismatches':>11}"]
     for key, (n, tot, bad) in sorted(TOTAL.items()):
         mode, op = key.split(" ", 1)
         lines.append(f"{mode:<12} {op:<40} {n:>6} {tot:>15} {bad:>11}")
-    print("\n" + "\n".join(lines + COUNTS_NOTE))
+    print("\n" + "\n".join(lines))
     path = os.environ.get("DSAQUANT_TRITON_COUNTS_FILE")
     if path:
         with open(path, "a") as f:
-            f.write("\n".join(lines + COUNTS_NOTE) + "\n")
+            f.write("\n".join(lines) + "\n")
     assert all(bad == 0 for _, _, bad in TOTAL.values())

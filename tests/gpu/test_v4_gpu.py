@@ -9,7 +9,7 @@ file works before and after a backend gains the op; "triton-soft" is the triton 
 conversions (DSAQUANT_TRITON_NATIVE=0, the interpreter's path), run on a small subset. Byte counts per
 (backend, op) go into the closing table (tests/gpu/counts.py).
 
-Grid (issue #7), chosen to keep the Triton compile count small (each constexpr setting is one compile):
+Grid, chosen to keep the Triton compile count small (each constexpr setting is one compile):
 - compress_kv, ratio 4 (K = 8, decode-sized launch): each quant mode and layout once (none, fp4 packed68
   rne/recip and threshold/pack, fp4 aiter_fp4 hardware, fp4_sim recip and pack, fp8 e4m3fn ue8m0 preshuffled,
   fp8 e4m3fnuz fp32 scales), batch sizes 1..8 with ragged lengths (sequence 0 shorter than one window, empty

@@ -1,4 +1,4 @@
-"""The `reference` backend: the torch implementation of SPEC.md, on any device."""
+"""The `reference` backend: the torch implementation of docs/spec.md, on any device."""
 from ..dispatch import register
 from ..reference import ops, scorer
 

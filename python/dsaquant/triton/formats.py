@@ -366,8 +366,8 @@ def e2m1_index_core(a, POLICY: tl.constexpr):
     b = as_bits(c)
     if POLICY == 0:
         # below 1: the rne index, minus one at the only tie rne sends up (0.75). Not the shorter
-        # (c > 0.25) + (c > 0.75): LLVM narrows that to 16-bit vector code, and on the H200 (Triton 3.6,
-        # sm_90) the FP4 indexer's first q tile then got wrong codes (issue #5, ci/triton_bisect.py).
+        # (c > 0.25) + (c > 0.75): LLVM narrows that to 16-bit vector code, and with Triton 3.6 on
+        # sm_90 the FP4 indexer's first q tile then got wrong codes.
         m_norm = ((b + 0x1FFFFF) >> 22) - 252
         m_sub = (as_bits(c + 4194304.0) - 0x4A800000) - (c == 0.75).to(tl.int32)
     else:

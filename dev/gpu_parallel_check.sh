@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU session: build the CUDA module, run GPU test groups side by side (Triton compiles are CPU-bound,
+# the GPU work of the tests is small), then the benchmark alone. Logs and byte-count tables go to $OUT.
+#   GPU_GROUPS: ';'-separated pytest argument lists, one process each (default below)
+#   GPU_TESTS_TIMEOUT (s, per group, default 330), GPU_BENCH_ARGS (default "--tokens 1,64,8192")
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+( time DSAQUANT_CUDA_ARCHS=${DSAQUANT_CUDA_ARCHS:-90a} python3 tools/build_native.py cuda ) >"$OUT/build.log" 2>&1 \
+  || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+python3 -m dsaquant info >"$OUT/info.txt" 2>&1
+DEFAULT_GROUPS="tests/gpu/test_triton_gpu.py;tests/gpu/test_v4_gpu.py;tests/gpu/test_backend_exact.py tests/gpu/test_reliability_gpu.py -k cuda;tests/gpu/test_reliability_gpu.py -k triton"
+IFS=';' read -ra groups <<<"${GPU_GROUPS:-$DEFAULT_GROUPS}"
+i=0
+for g in "${groups[@]}"; do
+  i=$((i + 1))
+  eval "args=($g)"
+  ( DSAQUANT_COUNTS_FILE="$OUT/counts_$i.txt" DSAQUANT_BACKEND= timeout ${GPU_TESTS_TIMEOUT:-330} \
+      python3 -m pytest -v --tb=short -rf -p no:cacheprovider "${args[@]}" >"$OUT/tests_$i.log" 2>&1
+    echo "group $i ($g): rc=$? $(tail -1 "$OUT/tests_$i.log")" ) &
+done
+wait
+status=0
+for j in $(seq 1 $i); do
+  if grep -qE " FAILED| ERROR" "$OUT/tests_$j.log"; then grep -E " FAILED| ERROR" "$OUT/tests_$j.log" | head -10; status=1; fi
+  cat "$OUT/counts_$j.txt" 2>/dev/null
+done
+timeout 200 python3 -m dsaquant bench ${GPU_BENCH_ARGS:---tokens 1,64,8192} --json "$OUT/bench.json" \
+  --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1 || status=1
+cat "$OUT/bench.md" 2>/dev/null || tail -20 "$OUT/bench.log"
+exit $status
