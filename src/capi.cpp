@@ -39,12 +39,14 @@ struct StructLayout {
   int n;
 };
 
-#define DSQ_FIELD_ROW_(type, name) {#name, static_cast<int64_t>(offsetof(S_, name)), static_cast<int64_t>(sizeof(S_::name))},
-#define DSQ_LAYOUT_ROW_(S)                                                                                          \
-  [] {                                                                                                              \
-    using S_ = S;                                                                                                   \
-    static const Field fields[] = {DSQ_FIELDS_##S(DSQ_FIELD_ROW_)};                                                 \
-    return StructLayout{#S, static_cast<int64_t>(sizeof(S)), fields, static_cast<int>(sizeof(fields) / sizeof(Field))}; \
+#define DSQ_FIELD_ROW_(type, name) \
+  {#name, static_cast<int64_t>(offsetof(S_, name)), static_cast<int64_t>(sizeof(S_::name))},
+#define DSQ_LAYOUT_ROW_(S)                                                                                  \
+  [] {                                                                                                      \
+    using S_ = S;                                                                                           \
+    static const Field fields[] = {DSQ_FIELDS_##S(DSQ_FIELD_ROW_)};                                         \
+    const int n = static_cast<int>(sizeof(fields) / sizeof(Field));                                         \
+    return StructLayout{#S, static_cast<int64_t>(sizeof(S)), fields, n};                                    \
   }(),
 
 const StructLayout* find_layout(const char* name) {

@@ -501,7 +501,8 @@ def _v4_rotate(out):
 
 
 DEVICE_BASES = dict(BASES, compress_fp4_aiter=lambda: _v4_compress("fp4", "aiter_fp4"),
-                    compress_fp8=lambda: _v4_compress("fp8"), compress_freqs=lambda: _v4_compress("none", use_freqs=True),
+                    compress_fp8=lambda: _v4_compress("fp8"),
+                    compress_freqs=lambda: _v4_compress("none", use_freqs=True),
                     rotate_fp4=lambda: _v4_rotate("fp4"), rotate_fp8=lambda: _v4_rotate("e4m3fn"))
 
 

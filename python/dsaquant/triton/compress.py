@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import codes, errors
+from ..codes import QuantMode, Rounding, ScaleRule, code_of
 from . import formats as F
 from .formats import (KIND_BF16, KIND_F32, amax_tile, as_bits, canon_nan, cast_for_store, exp_ds,
                       fake_quant_ue8m0_tile, fake_quant_values, fp4_quant_tile, fp8_group_quant, hadamard_row,
@@ -449,9 +450,9 @@ def prepare_compress(kv, score, ape, state_kv, state_score, state_slot, cu_seqle
              cache.shape[0] * page_size, page_size, errors.flag_tensor(kv.device), points, int(bool(hadamard_on)),
              int(scale_fmt == "ue8m0"), int(bool(preshuffle))]
     consts = dict(KIND=kind, NW_KIND=nw_kind, CS_KIND=cs_kind, FREQS=freqs is not None, D=D, RATIO=ratio,
-                  OVERLAP=bool(overlap), K=K, ROWS=rows, TB=tb, CW=cw, MODE=codes.code_of(codes.QuantMode, quant_mode),
-                  AITER=(quant_mode == "fp4" and layout == "aiter_fp4"), RULE=codes.code_of(codes.ScaleRule, scale_rule),
-                  POLICY=codes.code_of(codes.Rounding, rounding), BIAS=bias, FMAX=fmax, FNUZ=(flavour == "e4m3fnuz"),
+                  OVERLAP=bool(overlap), K=K, ROWS=rows, TB=tb, CW=cw, MODE=code_of(QuantMode, quant_mode),
+                  AITER=(quant_mode == "fp4" and layout == "aiter_fp4"), RULE=code_of(ScaleRule, scale_rule),
+                  POLICY=code_of(Rounding, rounding), BIAS=bias, FMAX=fmax, FNUZ=(flavour == "e4m3fnuz"),
                   HW_FP8=md["HW_FP8"] and fp8, NATIVE=nat)
     return _compress_kernel, (triton.cdiv(T, tb),), args, consts, warps
 

@@ -545,8 +545,8 @@ def fp4_encode_tile(x, e, POLICY: tl.constexpr, PACKED: tl.constexpr = False):
 def fp4_quant_tile(x, RULE: tl.constexpr, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr,
                    PACKED: tl.constexpr = False):
     """reference fp4_quantize of one block-of-32 tile: x [R, 32] fp32 -> (packed uint8 [R, 16],
-    exponent int32 [R]). RULE: a codes.ScaleRule (RULE_RECIP, RULE_PACK). Any NaN in x (whatever its bits) is treated as the
-    reference's canonical NaN: ignored by amax, code 0x7. PACKED: see fp4_encode_tile (x must hold exact
+    exponent int32 [R]). RULE: a codes.ScaleRule (RULE_RECIP, RULE_PACK). Any NaN in x (whatever its bits) is
+    treated as the reference's canonical NaN: ignored by amax, code 0x7. PACKED: see fp4_encode_tile (x must hold exact
     bf16 values; NVIDIA sm_80+)."""
     amax = amax_tile(x, NATIVE)
     if RULE == RULE_RECIP:

@@ -30,11 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import codes, errors
+from .. import errors
+from ..codes import Rounding, code_of
 from . import formats as F
-from .formats import (KIND_BF16, KIND_F16, KIND_F32, RULE_PACK, RULE_RECIP, amax_tile, canon_nan, canonical_sum4, cast_for_store,
-                      fake_quant_e4m3_tile, fake_quant_ue8m0_tile, fp4_quant_tile, fp8_encode_scaled, hadamard4,
-                      load_f32, pow2, rms_inv, rope_interleaved_tile, rope_pair, round_bf16, round_to)
+from .formats import (KIND_BF16, KIND_F16, KIND_F32, RULE_PACK, RULE_RECIP, amax_tile, canon_nan, canonical_sum4,
+                      cast_for_store, fake_quant_e4m3_tile, fake_quant_ue8m0_tile, fp4_quant_tile, fp8_encode_scaled,
+                      hadamard4, load_f32, pow2, rms_inv, rope_interleaved_tile, rope_pair, round_bf16, round_to)
 
 SLOT_ERR: tl.constexpr = tl.constexpr(errors.SLOT_OUT_OF_RANGE)
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
@@ -651,7 +652,7 @@ def prepare_indexer(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, n
             errors.flag_tensor(q.device), int(scale_fmt == "ue8m0" or fp4), int(bool(preshuffle)),
             int(bool(compute_all_q_rope))]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, WO_KIND=wo_kind, CS_KIND=cs_kind, NW_KIND=nw_kind, NB_KIND=nb_kind,
-                  FP4=fp4, POLICY=codes.code_of(codes.Rounding, rounding), BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
+                  FP4=fp4, POLICY=code_of(Rounding, rounding), BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
                   FNUZ=(flavour == "e4m3fnuz"), NEOX=bool(is_neox), BLOCK_Q=bq, BLOCK_K=bk,
                   H=H, ROWS32=(n_q + n_k) * bq < 2 ** 31,
                   **dict(md, PACKED_FP4=bool(md["PACKED_FP4"]) and fp4 and q.dtype == k.dtype == torch.bfloat16))
@@ -681,7 +682,7 @@ def prepare_k_store(k, norm_weight, eps, positions, freqs, slots, cache, compres
     args = [kv, k.stride(0), nwv, norm_weight.stride(0), as_f32(eps), positions, positions.stride(0), freqs,
             freqs.stride(0), freqs.shape[0], slots, slots.stride(0), as_u8(cache), T, cache.shape[0] * page_size,
             page_size, errors.flag_tensor(k.device), int(compress_ratio)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=codes.code_of(codes.Rounding, rounding), BLOCK=block, NATIVE=nat,
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=code_of(Rounding, rounding), BLOCK=block, NATIVE=nat,
                   PACKED_FP4=md["PACKED_FP4"])
     return _k_store_v41_kernel, (triton.cdiv(T, block),), args, consts, warps
 
@@ -705,7 +706,7 @@ def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, pa
     args = [qv, q.stride(0), q.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
             wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, exps_out,
             weights_out, T, H, errors.flag_tensor(q.device)]
-    consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=codes.code_of(codes.Rounding, rounding), BLOCK=block, NATIVE=nat,
+    consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=code_of(Rounding, rounding), BLOCK=block, NATIVE=nat,
                   PACKED_FP4=md["PACKED_FP4"])
     return _q_pack_v41_kernel, (triton.cdiv(T * H, block),), args, consts, warps
 
@@ -758,8 +759,8 @@ def prepare_v4_k(kv, norm_weight, epsilon, positions, cos_cache, sin_cache, slot
             cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0], slot_mapping, slot_mapping.stride(0),
             as_u8(kv_cache), as_u8(kv_cache_scale), T, capacity, page_size, errors.flag_tensor(kv.device),
             int(bool(hadamard_on)), int(dense)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, POLICY=codes.code_of(codes.Rounding, rounding), BLOCK=block,
-                  NATIVE=nat)
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, POLICY=code_of(Rounding, rounding),
+                  BLOCK=block, NATIVE=nat)
     return _v4_k_kernel, (triton.cdiv(T, block),), args, consts, warps
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import codes, errors
+from ..codes import Rounding, code_of
 from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
 from . import formats as F
 from .formats import (amax_tile, cast_for_store, fp4_encode_tile, fp8_group_quant, hadamard_row, load_f32,
@@ -139,7 +140,7 @@ def prepare_rope_rotate(out, x, cos_cache, sin_cache, positions, rope_dim, out_s
             sin_cache.stride(0), cos_cache.shape[0], ov, *so, sc, T, H, qs_pad, errors.flag_tensor(x.device)]
     consts = dict(X_KIND=x_kind, CS_KIND=cs_kind, D=D, OUT=kind_out, G=g,
                   SHUFFLE=bool(shuffle_scale) and kind_out == OUT_FP4, HADAMARD=bool(hadamard_on),
-                  HSCALE=_hadamard_scale(D), POLICY=codes.code_of(codes.Rounding, rounding), BIAS=bias, FMAX=fmax,
+                  HSCALE=_hadamard_scale(D), POLICY=code_of(Rounding, rounding), BIAS=bias, FMAX=fmax,
                   FNUZ=(flavour == "e4m3fnuz"), HW_FP8=md["HW_FP8"] and kind_out == OUT_FP8, ROWS=rows, NATIVE=nat)
     return _rope_rotate_kernel, (triton.cdiv(T * H, rows),), args, consts, warps
 

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .. import codes
+from ..codes import Layout, code_of
 from ..reference.layouts import aiter_q_scale_pad
 
 LAYOUT_FP8_132: tl.constexpr = tl.constexpr(int(codes.Layout.fp8_132))
@@ -336,7 +337,8 @@ def kernel_constexprs(layout: str, N: int, H: int, page_size: int, *, preshuffle
     fp8 = layout == "fp8_132"
     NG = queries_per_program(N, H)
     return dict(N=N, NG=NG, H=H, NHP=max(16, _next_pow2(NG * H)), PAGE=page_size, BLOCK_KV=block_kv,
-                LAYOUT=codes.code_of(codes.Layout, layout), PRESHUFFLE=bool(preshuffle and fp8), FP8_NATIVE=bool(fp8_native and fp8),
+                LAYOUT=code_of(Layout, layout), PRESHUFFLE=bool(preshuffle and fp8),
+                FP8_NATIVE=bool(fp8_native and fp8),
                 FNUZ=bool(fnuz and fp8), QS_PAD=aiter_q_scale_pad(H) if layout == "aiter_fp4" else 1,
                 DOT_F32=bool(dot_f32), IMPRECISE=32 if imprecise is None else int(imprecise),
                 STATIC_TILES=int(static_tiles))
