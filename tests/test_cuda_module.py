@@ -73,6 +73,8 @@ def test_every_entry_point_returns_an_error_code_without_a_gpu():
         assert fn(struct(device=-1), None) == fn(struct(device=64), None) != 0, op
         assert fn(None, None) != 0, op
     assert "invalid device ordinal" in lib.error_string(lib._fns["exp_ds"](abi.DsqExpDsArgs(device=-1), None))
+    with pytest.raises(TypeError, match=r"DsqExpDsArgs has no fields \['count'\]"):
+        lib.launch("exp_ds", abi.DsqExpDsArgs(device=0, count=3), 0)
 
 
 def test_registers_every_writer():

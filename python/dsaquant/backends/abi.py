@@ -125,7 +125,10 @@ class Library:
         return op in self._fns
 
     def launch(self, op: str, args: ctypes.Structure, stream: int) -> None:
-        """dsq_<op>(&args, stream); RuntimeError naming the runtime's error if it returns nonzero."""
+        """dsq_<op>(&args, stream); RuntimeError naming the runtime's error if it returns nonzero. A keyword that
+        is no field of the struct (ctypes keeps it as a plain attribute) is a TypeError, before the call."""
+        if args.__dict__:
+            raise TypeError(f"{type(args).__name__} has no fields {sorted(args.__dict__)}")
         err = self._fns[op](ctypes.byref(args), stream or None)
         if err:
             raise RuntimeError(f"dsaquant: launching {op} failed: {self.error_string(err)}")
