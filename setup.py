@@ -1,9 +1,11 @@
 """Build of the compiled backends; everything else about the package is in pyproject.toml.
 
-dsaquant._hip is built from the same sources, hipified, when a ROCm toolchain is found (tools/build_hip.py):
+The compiled backends are plain shared libraries with a C interface (src/include/dsaquant/abi.h), loaded with
+ctypes: no Python headers, so a wheel holding them is tagged py3-none-<platform> and serves every CPython >= 3.10.
+dsaquant/libdsaquant_hip.so is built from the same sources, hipified, when a ROCm toolchain is found (tools/build_hip.py):
   DSAQUANT_BUILD_HIP=0 skips it, =1 requires it, unset: built if ROCm is there; DSAQUANT_HIP_ARCHS
   (default "gfx942;gfx950"). It needs torch installed (hipify), so build wheels with --no-isolation.
-dsaquant._cuda is built with nvcc when one is found (CUDA_HOME/bin, PATH, /usr/local/cuda/bin):
+dsaquant/libdsaquant_cuda.so is built with nvcc when one is found (CUDA_HOME/bin, PATH, /usr/local/cuda/bin):
   DSAQUANT_BUILD_CUDA=0 skips it, =1 requires it (the build fails without nvcc), unset: built if possible
   (a failed build then only warns, and the cuda backend is unavailable).
   DSAQUANT_CUDA_ARCHS: semicolon list, default "90a;100a" (Hopper and Blackwell).
@@ -20,11 +22,11 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
-from build_native import CUDA_SOURCES, build_cuda, find_nvcc  # noqa: E402
+from build_native import CUDA_SOURCES, build_cuda, find_nvcc, library_filename, py3_wheel_command  # noqa: E402
 
 
 def _build_hip(ext_path: Path, skipped: set, name: str) -> None:
-    """The ROCm build of dsaquant._hip (tools/build_hip.py), as configured by DSAQUANT_BUILD_HIP."""
+    """The ROCm build of libdsaquant_hip.so (tools/build_hip.py), as configured by DSAQUANT_BUILD_HIP."""
     mode = os.environ.get("DSAQUANT_BUILD_HIP", "auto")
     if mode == "0":
         skipped.add(name)
@@ -52,8 +54,8 @@ def _build_hip(ext_path: Path, skipped: set, name: str) -> None:
 
 
 class BuildExt(build_ext):
-    """Builds dsaquant._cuda with nvcc, or skips it as configured. A skipped or (in auto mode) failed
-    extension is dropped from the outputs, so the install goes on without it."""
+    """Builds libdsaquant_cuda.so with nvcc (and libdsaquant_hip.so with ROCm), or skips them as configured. A
+    skipped or (in auto mode) failed library is dropped from the outputs, so the install goes on without it."""
 
     skipped: set = set()
 
@@ -72,10 +74,13 @@ class BuildExt(build_ext):
         self.extensions = self._built()
         return super().get_output_mapping()
 
+    def get_ext_filename(self, ext_name):
+        return library_filename(ext_name)
+
     def build_extension(self, ext):
-        if ext.name == "dsaquant._hip":
+        if ext.name == "dsaquant.libdsaquant_hip":
             return _build_hip(Path(self.get_ext_fullpath(ext.name)), self.skipped, ext.name)
-        if ext.name != "dsaquant._cuda":
+        if ext.name != "dsaquant.libdsaquant_cuda":
             return super().build_extension(ext)
         mode = os.environ.get("DSAQUANT_BUILD_CUDA", "auto")
         nvcc = find_nvcc()
@@ -98,6 +103,6 @@ class BuildExt(build_ext):
 # DSAQUANT_PURE=1: the pure-Python wheel (API, dispatcher, reference, Triton); the compiled backends then
 # come from the plugin wheels (plugins/cuda13: dsaquant-cuda13), found at import.
 PURE = os.environ.get("DSAQUANT_PURE", "0") == "1"
-setup(ext_modules=[] if PURE else [Extension("dsaquant._cuda", sources=CUDA_SOURCES),
-                                   Extension("dsaquant._hip", sources=["src/bindings.cpp"])],
-      cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[] if PURE else [Extension("dsaquant.libdsaquant_cuda", sources=CUDA_SOURCES),
+                                   Extension("dsaquant.libdsaquant_hip", sources=["src/capi.cpp"])],
+      cmdclass={"build_ext": BuildExt} if PURE else {"build_ext": BuildExt, "bdist_wheel": py3_wheel_command()})

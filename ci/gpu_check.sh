@@ -18,7 +18,7 @@ if has build; then
     ( time DSAQUANT_CUDA_ARCHS=${DSAQUANT_CUDA_ARCHS:-90a} python3 tools/build_native.py cuda ) \
       >"$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
   elif [ "$BACKEND" = hip ]; then
-    # HIP: hipify + build dsaquant._hip for $DSAQUANT_HIP_ARCHS (default "gfx942;gfx950"), then the on-device check
+    # HIP: hipify + build libdsaquant_hip.so for $DSAQUANT_HIP_ARCHS (default "gfx942;gfx950"), then the on-device check
     # of the gfx950 FP4 instruction against its emulation (kernels/hip/fp4_selfcheck.hip; on gfx942 it checks the
     # harness). A mismatch fails the check; the first mismatches are in fp4_selfcheck.log.
     ( time DSAQUANT_BUILD_HIP=1 python3 tools/build_hip.py --build ) >"$OUT/build.log" 2>&1 \

@@ -1,17 +1,25 @@
-"""The compiled CUDA module: built by the package's own build where nvcc exists, it links the
-CUDA runtime statically and no libtorch, so it imports under any torch version; the cuda backend
-registers every writer op. Skipped where the module was not built (no nvcc)."""
-import importlib.util
+"""The compiled CUDA library (libdsaquant_cuda.so): built by the package's own build where nvcc exists, it is a
+plain shared library with the C interface of src/include/dsaquant/abi.h. It links the CUDA runtime statically and
+neither Python nor libtorch, so it loads under any CPython and torch version; it exports the C interface and
+nothing else; its argument structs have exactly the layout of the ctypes mirror (python/dsaquant/backends/abi.py);
+the cuda backend registers every writer op. Without a GPU every call returns the runtime's error code (no crash,
+nothing touched). Skipped where the library was not built (no nvcc)."""
+import os
+import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+import torch
 
 from dsaquant import dispatch
+from dsaquant.backends import abi
+from dsaquant.backends.compiled import find_library
 
-spec = importlib.util.find_spec("dsaquant._cuda")
-pytestmark = pytest.mark.skipif(spec is None, reason="dsaquant._cuda was not built here (no nvcc at install time)")
+LIB = find_library("libdsaquant_cuda.so", "dsaquant_cuda13")
+pytestmark = pytest.mark.skipif(LIB is None, reason="libdsaquant_cuda.so was not built here (no nvcc at install time)")
+EXPORTS = {"dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress_kv", "dsq_rope_rotate_quant", "dsq_fp8_selfcheck",
+           "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field", "dsq_error_string"}
 
 
 def needed_libraries(path: str) -> list[str]:
@@ -19,19 +27,57 @@ def needed_libraries(path: str) -> list[str]:
     return [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
 
 
+def defined_symbols(path: str) -> set[str]:
+    out = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True, check=True).stdout
+    return {m.group(1) for m in re.finditer(r" [TtDdBbRrVvWwi] (\S+)$", out, re.M)}
+
+
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf not installed")
-def test_links_no_torch_and_no_shared_cudart():
-    libs = needed_libraries(spec.origin)
+def test_links_no_python_no_torch_and_no_shared_cudart():
+    libs = needed_libraries(str(LIB))
     print("NEEDED:", libs)
     assert libs, "readelf found no NEEDED entries"
     assert not any("torch" in lib or "c10" in lib for lib in libs), libs
+    assert not any("python" in lib for lib in libs), libs
     assert not any(lib.startswith("libcudart") for lib in libs), f"cudart should be static: {libs}"
 
 
-def test_imports_and_registers_every_writer():
-    import dsaquant._cuda as m
-    for name in ("indexer", "kstore", "qpack", "fp8_selfcheck", "compress_kv", "rope_rotate_quant"):
-        assert callable(getattr(m, name))
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm not installed")
+def test_exports_the_c_interface_and_nothing_else():
+    syms = defined_symbols(str(LIB))
+    assert not {s for s in syms if s.startswith("Py")}, "Python entry points in the library"
+    assert syms == EXPORTS, f"missing {sorted(EXPORTS - syms)}, unexpected {sorted(syms - EXPORTS)}"
+
+
+def test_struct_layouts_match_the_ctypes_mirror():
+    lib = abi.Library(str(LIB))
+    for struct in abi.STRUCTS:
+        size, fields = lib.layout(struct.__name__)
+        assert size > 0 and fields, struct.__name__
+        assert (size, fields) == abi.mirror_layout(struct), struct.__name__
+    assert lib.layout("NoSuchStruct") == (-1, [])
+    assert all(lib.has(op) for op in abi.OPS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour where no GPU exists")
+def test_every_entry_point_returns_an_error_code_without_a_gpu():
+    """Zeroed structs (null pointers): the call stops at making the device current and returns the runtime's code;
+    a bad device index and a null struct are refused before the runtime is asked."""
+    lib = abi.Library(str(LIB))
+    for op, (sym, struct) in abi.OPS.items():
+        fn = lib._fns[op]
+        err = fn(struct(), None)
+        assert err != 0, op
+        with pytest.raises(RuntimeError, match=f"launching {op} failed: error {err} "):
+            lib.launch(op, struct(), 0)
+        assert fn(struct(device=-1), None) == fn(struct(device=64), None) != 0, op
+        assert fn(None, None) != 0, op
+    assert "invalid device ordinal" in lib.error_string(lib._fns["exp_ds"](abi.DsqExpDsArgs(device=-1), None))
+    with pytest.raises(TypeError, match=r"DsqExpDsArgs has no fields \['count'\]"):
+        lib.launch("exp_ds", abi.DsqExpDsArgs(device=0, count=3), 0)
+
+
+def test_registers_every_writer():
     ok, why = dispatch.available("cuda")
     assert ok, why
     assert set(dispatch.ops_of("cuda")) >= {"indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store",
@@ -39,7 +85,8 @@ def test_imports_and_registers_every_writer():
                                             "rmsnorm_rope_rotate_fp4quant_kvcache", "compress_kv", "rope_rotate_quant"}
 
 
-def test_module_has_sm90a_and_sm100a_code():
-    """The default build embeds Hopper and Blackwell machine code (DSAQUANT_CUDA_ARCHS=90a;100a)."""
-    data = Path(spec.origin).read_bytes()
-    assert b"sm_90a" in data and b"sm_100a" in data
+@pytest.mark.parametrize("arch", [a.strip() for a in os.environ.get("DSAQUANT_CUDA_ARCHS", "90a;100a").split(";")
+                                  if a.strip()])
+def test_library_has_the_machine_code_of_each_arch(arch):
+    """The build embeds machine code for every arch of DSAQUANT_CUDA_ARCHS (default 90a;100a: Hopper, Blackwell)."""
+    assert f"sm_{arch}".encode() in LIB.read_bytes()

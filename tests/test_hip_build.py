@@ -1,6 +1,6 @@
 """HIP build checks, on any machine: nothing runs on a GPU.
 
-tools/build_hip.py hipifies kernels/cuda/* and src/bindings.cpp (torch.utils.hipify) into build/hip/ and compiles
+tools/build_hip.py hipifies kernels/cuda/* and src/capi.cpp (torch.utils.hipify) into build/hip/ and compiles
 every HIP translation unit, device pass only, for gfx942 (MI300) and gfx950 (MI355) with clang-22 (or
 $DSAQUANT_HIP_CLANG) against Triton's HIP headers (or ROCm's), plus the host passes. Checked here:
 - the HIP sources are generated, never committed, and differ from the CUDA sources only by hipify's renames and
@@ -11,8 +11,8 @@ $DSAQUANT_HIP_CLANG) against Triton's HIP headers (or ROCm's), plus the host pas
 - no kernel uses scratch, spills, calls or leaves a device-library reference; fp32 denormals are kept and rounding
   is to nearest even (FloatMode), wave64; cross-lane traffic is ds_bpermute (HIP's plain shuffles), no traps;
 - no compiler warnings; every compile carries the SPEC §0 flags;
-- the full build's commands (one fat binary per TU with both archs, bindings as host C++, shared link) work with
-  clang-22 on the two small TUs (no ROCm here, so the link leaves out amdhip64 and the result is not imported).
+- the full build's commands (one fat binary per TU with both archs, the C interface as host C++, shared link) work
+  with clang-22 on the two small TUs (no ROCm here, so the link leaves out amdhip64 and the result is not imported).
 The per-kernel VGPR/AGPR/SGPR/occupancy/LDS/scratch table is printed (pytest -s, or on failure).
 """
 from __future__ import annotations
@@ -56,9 +56,17 @@ REVIEWED_RENAMES = {
     "__shfl_up_sync": "dsq_shfl_up_sync",
     "__shfl_down_sync": "dsq_shfl_down_sync",
     "cudaSuccess": "hipSuccess",
+    # kernels/cuda/device.h and src/capi.cpp: the op's device made current for the launch, its properties read.
+    "cudaSetDevice": "hipSetDevice",
+    "cudaErrorInvalidDevice": "hipErrorInvalidDevice",
+    "cudaDeviceGetAttribute": "hipDeviceGetAttribute",
+    "cudaDeviceAttr": "hipDeviceAttribute_t",
+    "cudaDevAttrMultiProcessorCount": "hipDeviceAttributeMultiprocessorCount",
+    "cudaDevAttrComputeCapabilityMajor": "hipDeviceAttributeComputeCapabilityMajor",
+    "cudaDevAttrComputeCapabilityMinor": "hipDeviceAttributeComputeCapabilityMinor",
+    "cudaGetDevice": "hipGetDevice",   # also kernels/cuda/device.h
     # kernels/cuda/indexer.cu prefer_shared_memory: inside #if !defined(__HIP__) (the cp.async row ring is
     # NVIDIA's), so these are translated but never compiled for AMD.
-    "cudaGetDevice": "hipGetDevice",
     "cudaStreamCaptureStatus": "hipStreamCaptureStatus",
     "cudaStreamCaptureStatusNone": "hipStreamCaptureStatusNone",
     "cudaStreamIsCapturing": "hipStreamIsCapturing",
@@ -79,9 +87,9 @@ def _repo_files() -> list[str]:
 
 def test_no_generated_hip_source_is_committed():
     files = _repo_files()
-    # The names hipify gives its outputs: X.cu -> X.hip, headers keep theirs, bindings.cpp -> bindings_hip.cpp.
+    # The names hipify gives its outputs: X.cu -> X.hip, headers keep theirs, capi.cpp -> capi_hip.cpp.
     generated = {Path(c).stem + ".hip" if c.endswith(".cu") else Path(c).name for c in bh.cuda_sources()
-                 if c.startswith("kernels/cuda/")} | {"bindings_hip.cpp"}
+                 if c.startswith("kernels/cuda/")} | {"capi_hip.cpp"}
     bad = [f for f in files if Path(f).name in generated and not f.startswith("kernels/cuda/")]
     for f in files:
         if f.endswith((".h", ".cuh", ".cpp", ".cu", ".hip")):
@@ -159,7 +167,7 @@ def test_full_build_without_rocm_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.setenv("ROCM_PATH", str(tmp_path))
     monkeypatch.delenv("DSAQUANT_HIP_CXX", raising=False)
     with pytest.raises(RuntimeError, match="no ROCm toolchain"):
-        bh.build_module(out=tmp_path / "_hip.so")
+        bh.build_module(out=tmp_path / "libdsaquant_hip.so")
 
 
 def test_isa_version_numbers():
@@ -190,7 +198,7 @@ def test_every_tu_compiles_for_every_arch_without_warnings(dev):
         assert s.stat().st_size > 0
     warnings = (dev.out / "warnings.txt").read_text()
     assert not warnings.strip(), warnings
-    assert (dev.out / "host" / "bindings_hip.syntax").exists()
+    assert (dev.out / "host" / "capi_hip.syntax").exists()
 
 
 @needs_toolchain
@@ -279,13 +287,14 @@ def test_cross_lane_traffic_is_plain_bpermute(dev):
 
 @needs_toolchain
 def test_full_build_pipeline_smoke(tmp_path):
-    """The full build's commands (fat binary for both archs, bindings as host C++, shared link) with clang-22 and
-    Triton's headers, on the two small TUs; linked without amdhip64 (absent here), so it is not imported."""
+    """The full build's commands (fat binary for both archs, the C interface as host C++, shared link) with clang-22
+    and Triton's headers, on the two small TUs; linked without amdhip64 (absent here), so it is not loaded. The
+    library exports the C interface (dsaquant/abi.h) and no Python entry point."""
     if not (Path(CLANG).resolve().parent / "ld.lld").exists() and not bh._exe("ld.lld"):
         pytest.skip("no ld.lld (lld-22) to link the device code objects")
     libs, _ = bh.device_lib_flags(CLANG, HIP, ARCHS)
     stubs, _ = bh.stub_flags(bh.hipify(), HIP)
-    so = bh.build_module(out=tmp_path / "_hip_smoke.so", archs=ARCHS, cxx=CLANG, rocm=HIP, device_libs=libs + stubs,
+    so = bh.build_module(out=tmp_path / "libdsaquant_hip_smoke.so", archs=ARCHS, cxx=CLANG, rocm=HIP, device_libs=libs + stubs,
                          only=["selfcheck", "fp4_selfcheck"], runtime=False)
     blob = so.read_bytes()
     for arch in ARCHS:
@@ -295,8 +304,13 @@ def test_full_build_pipeline_smoke(tmp_path):
         pytest.skip("no nm to list the module's symbols")
     defined = subprocess.run([nm, "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
     undefined = subprocess.run([nm, "-D", "--undefined-only", str(so)], capture_output=True, text=True).stdout
-    assert re.search(r" T PyInit__hip$", defined, re.M), "DSQ_MODULE_NAME=_hip did not reach the bindings"
+    for sym in ("dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress_kv", "dsq_rope_rotate_quant",
+                "dsq_fp8_selfcheck", "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field",
+                "dsq_error_string"):
+        assert re.search(rf" T {sym}$", defined, re.M), f"{sym} is not exported"
+    assert not re.search(r"\bPyInit_|\bPy[A-Z]\w+", defined + undefined), "Python symbols in the library"
     assert re.search(r" T dsq_hip_fp4_selfcheck$", defined, re.M)
     hip_syms = set(re.findall(r"\b((?:__)?hip\w+)", undefined))
-    assert {"hipLaunchKernel", "hipGetLastError", "__hipRegisterFatBinary"} <= hip_syms, sorted(hip_syms)
+    assert {"hipLaunchKernel", "hipGetLastError", "__hipRegisterFatBinary", "hipGetDevice", "hipSetDevice"} <= \
+        hip_syms, sorted(hip_syms)
     assert not re.search(r"\b(?:c10|at|torch)\w*::|_ZN3c10|_ZN2at", undefined), "libtorch symbols in the module"

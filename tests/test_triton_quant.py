@@ -675,8 +675,10 @@ def _fmt_fp4_quantize(tally):
     x = _rows(1024, 8, wide=False).reshape(-1, 32)
     x[::7] = x[::7] * 1e-30
     x[1::7] = x[1::7] * 1e30
-    for rid, rule in enumerate(("recip", "pack")):
-        for pid, policy in enumerate(POLICIES):
+    from dsaquant.codes import Rounding, ScaleRule
+    for rule in ("recip", "pack"):
+        for policy in POLICIES:
+            rid, pid = int(ScaleRule[rule]), int(Rounding[policy])
             p = torch.empty(x.shape[0], 16, dtype=torch.uint8)
             e = torch.empty(x.shape[0], dtype=torch.uint8)
             k[(x.shape[0] // 64,)](x, p, e, RULE=rid, POLICY=pid, R=64)

@@ -27,7 +27,6 @@ KERNELS = {f"compress_kv_kernel<{k}, {d}>" for k in (4, 8, 128, 256) for d in (1
 
 
 def _flags() -> list[str]:
-    pytest.importorskip("pybind11")
     return [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
 
 

@@ -12,13 +12,12 @@ races between blocks running at the same time (the design has none: see v4_body.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 
 from dsaquant import errors
 from dsaquant import testing as tt
+from dsaquant.backends.abi import DsqCompressArgs, Library
 from dsaquant.backends.compiled import make_ops
 from dsaquant.reference import compress as rc
 
@@ -37,7 +37,6 @@ BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _build() -> Path:
-    import pybind11
     cxx = os.environ.get("CXX", shutil.which("g++") or "g++")
     h = hashlib.sha256()
     for p in SOURCES:
@@ -45,13 +44,12 @@ def _build() -> Path:
         h.update(p.read_bytes())
     h.update(" ".join([cxx, *CXXFLAGS, sys.version]).encode())
     out = REPO / "build" / "test_v4_host" / h.hexdigest()[:16]
-    so = out / ("dsq_v4_host" + sysconfig.get_config_var("EXT_SUFFIX"))
+    so = out / "libdsq_v4_host.so"
     if so.exists():
         return so
     out.mkdir(parents=True, exist_ok=True)
     tmp = so.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *CXXFLAGS, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}", f"-I{pybind11.get_include()}",
-           f"-I{sysconfig.get_paths()['include']}", str(SOURCES[0]), "-o", str(tmp)]
+    cmd = [cxx, *CXXFLAGS, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}", str(SOURCES[0]), "-o", str(tmp)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"building the V4 kernel emulator failed:\n{' '.join(cmd)}\n{res.stderr}")
@@ -59,18 +57,47 @@ def _build() -> Path:
     return so
 
 
+class Emulator:
+    """The emulator library: its C interface (`lib`, an abi.Library the glue drives) and the dsq_emu_* extras."""
+
+    def __init__(self, so: Path):
+        self.lib = Library(str(so))
+        c = self.lib.cdll
+        c.dsq_emu_pool_rows.argtypes = [ctypes.POINTER(DsqCompressArgs), ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_void_p]
+        c.dsq_emu_warp_op.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        c.dsq_emu_set_block_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
+        c.dsq_emu_set_block_order.restype = None
+
+    def _check(self, err: int):
+        if err:
+            raise RuntimeError(self.lib.error_string(err))
+
+    def pool_rows(self, args: DsqCompressArgs, boundaries) -> torch.Tensor:
+        """pool_row alone for the boundaries (i, p, b): fp32 [N, D]."""
+        bs = torch.tensor(boundaries, dtype=torch.int64).reshape(-1, 3).contiguous()
+        out = torch.empty(bs.shape[0], args.D, dtype=F32)
+        self._check(self.lib.cdll.dsq_emu_pool_rows(ctypes.byref(args), bs.data_ptr(), bs.shape[0], out.data_ptr()))
+        return out
+
+    def warp_op(self, x: torch.Tensor, n: int, op: int) -> torch.Tensor:
+        """warp_sum (op 0) / warp_hadamard (op 1) on the rows of n values of fp32 x (a copy)."""
+        y = x.to(F32).contiguous().clone()
+        self._check(self.lib.cdll.dsq_emu_warp_op(y.data_ptr(), y.numel(), n, op))
+        return y
+
+    def set_block_order(self, order: int, seed: int = 0):
+        self.lib.cdll.dsq_emu_set_block_order(order, seed)
+
+
 @pytest.fixture(scope="module")
 def emu():
-    so = _build()
-    spec = importlib.util.spec_from_file_location("dsq_v4_host", so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return Emulator(_build())
 
 
 @pytest.fixture(scope="module")
 def ops(emu):
-    return make_ops(emu)
+    return make_ops(emu.lib)
 
 
 def _take_flag() -> int:
@@ -253,17 +280,22 @@ def test_pool_rows_fp32(ops, emu, monkeypatch, name):
     _, args = compress_case(**case)
     got = []
 
-    class Capture:   # a module whose compress_kv runs the emulator's pool_rows on the glue's argument dict
+    class Capture:   # a library whose compress_kv runs the emulator's pool_rows on the glue's argument struct
         @staticmethod
-        def compress_kv(d, stream):
+        def has(op):
+            return True
+
+        @staticmethod
+        def launch(op, a, stream):
+            assert op == "compress_kv"
             cu, sp = args[6].tolist(), args[7].tolist()
             bs = []
             for b in range(len(sp)):
                 for j in range(cu[b + 1] - cu[b]):
                     p = sp[b] + j
-                    if (p + 1) % d["ratio"] == 0:
+                    if (p + 1) % a.ratio == 0:
                         bs.append((cu[b] + j, p, b))
-            got.append(torch.tensor(emu.pool_rows(d, bs), dtype=F32).reshape(len(bs), d["D"]))
+            got.append(emu.pool_rows(a, bs))
 
     want = []
     real_pool = rc.pool
@@ -287,10 +319,9 @@ def test_warp_sum_and_hadamard_fp32(emu, n):
     rows = 24 if n >= 512 else 48
     x = torch.randn(rows, n, generator=g) * 2.0 ** torch.randint(-20, 20, (rows, n), generator=g).float()
     x[1::5, n // 2:] = -x[1::5, :n // 2].flip(-1)      # cancellations that only some orders see
-    flat = x.reshape(-1).tolist()
-    s = torch.tensor(emu.warp_op(flat, n, 0), dtype=F32).reshape(rows, n)[:, 0]
+    s = emu.warp_op(x, n, 0).reshape(rows, n)[:, 0]
     _same(f"warp_sum n={n}", s, arith.canonical_sum(x))
-    hd = torch.tensor(emu.warp_op(flat, n, 1), dtype=F32).reshape(rows, n)
+    hd = emu.warp_op(x, n, 1).reshape(rows, n)
     _same(f"warp_hadamard n={n}", hd, transforms.hadamard(x))
 
 
@@ -374,20 +405,20 @@ def test_rope_rotate_quant(ops, emu, kind, D, had):
 
 
 # ------------------------------------------------------------------------------------------------
-# The compiled module's argument parsing (src/bindings.cpp) reads every key the glue writes
+# The compiled library takes the glue's argument structs and fails at the launch (no GPU here)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("dsaquant._cuda") is None, reason="dsaquant._cuda not built here")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the module with CPU pointers: only where no GPU exists")
-def test_cuda_module_parses_the_glue_arguments():
-    """On a machine without a GPU, dsaquant._cuda parses the argument dict (a missing key raises
-    'argument missing') and then fails at the launch, before touching any pointer."""
-    import dsaquant._cuda as m
-    if not hasattr(m, "compress_kv"):
-        pytest.skip("dsaquant._cuda predates the V4 kernels (rebuild: python tools/build_native.py cuda)")
-    cops = make_ops(m)
+CUDA_LIB = REPO / "python" / "dsaquant" / "libdsaquant_cuda.so"
+
+
+@pytest.mark.skipif(not CUDA_LIB.is_file(), reason="libdsaquant_cuda.so not built here")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the library with CPU pointers: only where no GPU exists")
+def test_cuda_library_rejects_the_launch_without_a_gpu():
+    """On a machine without a GPU, libdsaquant_cuda.so takes the structs the glue fills and returns the runtime's
+    error when it tries to make the device current, before touching any pointer; the glue raises RuntimeError."""
+    cops = make_ops(Library(str(CUDA_LIB)))
     _, args = compress_case(quant_mode="fp4")
-    with pytest.raises(RuntimeError, match="launching compress_kv failed"):
+    with pytest.raises(RuntimeError, match="launching compress_kv failed: error [1-9]"):
         cops["compress_kv"](*args)
     _, args = rotate_case("fp4_shuffled_hw", 128, True)
-    with pytest.raises(RuntimeError, match="launching rope_rotate_quant failed"):
+    with pytest.raises(RuntimeError, match="launching rope_rotate_quant failed: error [1-9]"):
         cops["rope_rotate_quant"](*args)

@@ -538,3 +538,68 @@ def test_finite_float_scalar_accepted(base, arg):
     fn, a, _ = FLOAT_BASES[base]()
     a[arg] = 0.0 if (base, arg) in EPS_ARGS else 2
     fn(**a)
+
+
+# ---- every tensor argument of every op on the op's device -------------------------------------------------
+# A call whose tensors are on different devices is rejected (ValueError) before anything is written, whichever
+# tensor is the odd one out: each tensor argument in turn (each element of a tuple of outputs too) is moved to
+# the `meta` device. The compiled backends launch on the device of the tensors, so a mixed call must never
+# reach them.
+def _v4_compress(quant_mode, layout="packed68", use_freqs=False):
+    return dsaquant.compress_kv, tt.make_compress_kv(starts=(0, 3), lens=(6, 5), quant_mode=quant_mode,
+                                                     layout=layout, use_freqs=use_freqs, seed=1), []
+
+
+def _v4_rotate(out):
+    return dsaquant.rope_rotate_quant, tt.make_rope_rotate_quant(T=3, out=out, seed=1), []
+
+
+DEVICE_BASES = dict(BASES, compress_fp4_aiter=lambda: _v4_compress("fp4", "aiter_fp4"),
+                    compress_fp8=lambda: _v4_compress("fp8"),
+                    compress_freqs=lambda: _v4_compress("none", use_freqs=True),
+                    rotate_fp4=lambda: _v4_rotate("fp4"), rotate_fp8=lambda: _v4_rotate("e4m3fn"))
+
+
+def _tensor_args(base):
+    """(base, name, index in a tuple or None) of each tensor argument, where the call has two or more."""
+    _, a, _ = DEVICE_BASES[base]()
+    found = []
+    for name, v in a.items():
+        if isinstance(v, torch.Tensor):
+            found.append((base, name, None))
+        elif isinstance(v, tuple):
+            found += [(base, name, i) for i, t in enumerate(v) if isinstance(t, torch.Tensor)]
+    return found if len(found) > 1 else []
+
+
+DEVICE_CASES = [c for base in sorted(DEVICE_BASES) for c in _tensor_args(base)]
+
+
+def _to_meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("base,name,index", DEVICE_CASES,
+                         ids=[f"{b}-{n}" + ("" if i is None else f"[{i}]") for b, n, i in DEVICE_CASES])
+def test_every_tensor_argument_on_another_device_is_rejected(base, name, index):
+    fn, a, _ = DEVICE_BASES[base]()
+    if index is None:
+        a[name] = _to_meta(a[name])
+    else:
+        a[name] = tuple(_to_meta(t) if i == index else t for i, t in enumerate(a[name]))
+    before = {(n, i): t.clone() for n, v in a.items() for i, t in
+              enumerate(v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+    with pytest.raises(ValueError, match="meta") as ei:
+        fn(**a)
+    assert type(ei.value) is ValueError and "expected a tensor on" in str(ei.value), str(ei.value)
+    for (n, i), t in before.items():
+        now = a[n][i] if isinstance(a[n], tuple) else a[n]
+        assert torch.equal(now.view(torch.uint8) if now.dim() else now, t.view(torch.uint8) if t.dim() else t), \
+            f"{n} was written by a rejected call"
+
+
+def test_device_cases_cover_every_op():
+    ops = {DEVICE_BASES[b]()[0].__name__ for b, _, _ in DEVICE_CASES}
+    assert ops == {"indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store", "index_q_rope_pack_weights",
+                   "rope_fake_quant_fp4", "rmsnorm_rope_rotate_fp4quant_kvcache", "paged_mqa_logits",
+                   "convert_fp4_cache", "compress_kv", "rope_rotate_quant"}, ops

@@ -1,5 +1,5 @@
-"""The pure-Python wheel and the CUDA 13 plugin wheel build from this tree, the plugin links no
-libtorch, and both installed into a fresh virtual environment give a working `python -m dsaquant info` with
+"""The pure-Python wheel and the CUDA 13 plugin wheel build from this tree; the plugin holds a plain shared library
+(libdsaquant_cuda.so: C interface, no Python, no libtorch) and is tagged py3-none-<platform>; both installed into a fresh virtual environment give a working `python -m dsaquant info` with
 the cuda backend found through the plugin. Needs nvcc (skipped without it) and a few minutes of CPU."""
 import os
 import subprocess
@@ -37,12 +37,15 @@ def test_pure_wheel_has_no_compiled_code(wheels):
     assert len(pure) == 1 and pure[0].name.endswith("-py3-none-any.whl"), [w.name for w in wheels]
 
 
-def test_plugin_links_no_torch(wheels, tmp_path):
+def test_plugin_is_one_wheel_for_every_python_and_links_no_torch(wheels, tmp_path):
     plugin = next(w for w in wheels if w.name.startswith("dsaquant_cuda13-"))
-    subprocess.run(["python", "-m", "zipfile", "-e", str(plugin), str(tmp_path)], check=True)
-    so = next(tmp_path.glob("dsaquant_cuda13/_cuda*.so"))
+    assert "-py3-none-" in plugin.name and plugin.name.endswith(("_x86_64.whl", "_aarch64.whl")), plugin.name
+    subprocess.run([sys.executable, "-m", "zipfile", "-e", str(plugin), str(tmp_path)], check=True)
+    so = tmp_path / "dsaquant_cuda13" / "libdsaquant_cuda.so"
+    assert so.is_file() and not list(tmp_path.glob("dsaquant_cuda13/*cpython*")), sorted(tmp_path.rglob("*"))
     libs = needed_libraries(str(so))
-    assert not any("torch" in lib or "c10" in lib or lib.startswith("libcudart") for lib in libs), libs
+    assert not any("torch" in lib or "c10" in lib or "python" in lib or lib.startswith("libcudart") for lib in libs), \
+        libs
 
 
 def test_fresh_venv_install_and_info(wheels, tmp_path):

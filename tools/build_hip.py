@@ -2,22 +2,23 @@
 
   python3 tools/build_hip.py                  full build if a ROCm compiler is found (or DSAQUANT_BUILD_HIP=1),
                                               else the device-only check
-  python3 tools/build_hip.py --build          full build: python/dsaquant/_hip<EXT_SUFFIX> (needs ROCm)
+  python3 tools/build_hip.py --build          full build: python/dsaquant/libdsaquant_hip.so (needs ROCm)
   python3 tools/build_hip.py --device-only    hipify + device-only compile of every TU for every arch (any
                                               clang >= 19 with HIP headers, e.g. clang-22 + Triton's headers),
                                               plus the host passes; prints the kernels' register/LDS/scratch table
   python3 tools/build_hip.py --hipify-only    only the translation; prints the directory of the HIP sources
 
 Steps (see kernels/hip/README.md), each cached under build/hip/ by a hash of everything it reads:
- 1. hipify. kernels/cuda/*.cu|*.cuh|*.h and src/bindings.cpp are copied to build/hip/tree-<key>/ and translated by
+ 1. hipify. kernels/cuda/*.cu|*.cuh|*.h and src/capi.cpp are copied to build/hip/tree-<key>/ and translated by
     torch's hipify (torch.utils.hipify.hipify_python): *.cu -> kernels/hip/*.hip, headers -> kernels/hip/*,
-    src/bindings.cpp -> src/bindings_hip.cpp. Then kernels/hip/hipify_extra.map renames the CUDA warp shuffles to
+    src/capi.cpp -> src/capi_hip.cpp. Then kernels/hip/hipify_extra.map renames the CUDA warp shuffles to
     kernels/hip/platform_hip.h's, and sources that use warp votes/masks (wave64 differs) are refused.
     Nothing generated is ever written outside build/.
  2. compile, with the SPEC §0 flags (-ffp-contract=off -fno-gpu-flush-denormals-to-zero
     -fhip-fp32-correctly-rounded-divide-sqrt; never fast-math), kernels/hip/platform_hip.h force-included:
     device-only: each .hip to gfx assembly (-S) per arch, its device-pass macros (-E -dM), and the host passes;
-    full: objects for all archs in one fat binary, bindings as host C++, linked with amdhip64 only (no libtorch).
+    full: objects for all archs in one fat binary, the C interface (src/capi.cpp) as host C++, linked with amdhip64
+    only: a plain shared library (no Python headers, no libtorch) loaded with ctypes.
 
 Environment:
   DSAQUANT_HIP_ARCHS  semicolon list, default "gfx942;gfx950"
@@ -42,7 +43,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,7 +54,8 @@ HIP_DIR = ROOT / "kernels" / "hip"
 INCLUDE = ROOT / "src" / "include"
 PLATFORM_HEADER = HIP_DIR / "platform_hip.h"
 EXTRA_MAP = HIP_DIR / "hipify_extra.map"
-BINDINGS = "src/bindings.cpp"
+BINDINGS = "src/capi.cpp"        # the C interface (src/include/dsaquant/abi.h), compiled as host C++
+LIBRARY = "libdsaquant_hip.so"   # the file name python/dsaquant/backends/hip.py loads
 # Hand-written HIP translation units, compiled and linked with the hipified ones (kernels/hip/README.md).
 HIP_ONLY_TUS = [HIP_DIR / "fp4_selfcheck.hip"]
 BUILD = ROOT / "build" / "hip"
@@ -180,7 +181,7 @@ class Tree:
         return self.tus + list(HIP_ONLY_TUS)
 
     @property
-    def bindings(self) -> Path:
+    def capi(self) -> Path:
         return self.root / self.files[BINDINGS]
 
     @property
@@ -433,7 +434,7 @@ class DeviceBuild:
 def device_only(archs: list[str] | None = None, clang: str | None = None, hip: Path | None = None,
                 build: Path = BUILD, jobs: int | None = None) -> DeviceBuild:
     """hipify, then compile every HIP TU for every arch, device pass only, to assembly; the device pass's macros;
-    the host passes (each .hip, and the bindings as host C++). Cached by a hash of all inputs."""
+    the host passes (each .hip, and the C interface as host C++). Cached by a hash of all inputs."""
     t0 = time.time()
     archs = archs or archs_from_env()
     clang = clang or find_clang()
@@ -445,7 +446,6 @@ def device_only(archs: list[str] | None = None, clang: str | None = None, hip: P
     tree = hipify(build)
     lib_flags, lib_desc = device_lib_flags(clang, hip, archs, build)
     stubs, stubbed = stub_flags(tree, hip, build)
-    import pybind11
 
     incs = ["-include", str(PLATFORM_HEADER), f"-I{INCLUDE}", f"-I{tree.include_dir}", *stubs]
     hip_version = (hip / "include" / "hip" / "hip_version.h")
@@ -471,12 +471,10 @@ def device_only(archs: list[str] | None = None, clang: str | None = None, hip: P
         jobs_list.append(("host", "host", tu.stem, [clang, "-x", "hip", *offload, "--cuda-host-only", "-nogpulib",
                                                    *HOST_FLAGS, "-fPIC", f"--hip-path={hip}", *incs, "-Wall", "-c",
                                                    str(tu), "-o", str(o)], o))
-    o = out / "host" / "bindings_hip.syntax"
-    jobs_list.append(("host", "host", "bindings_hip",
+    o = out / "host" / "capi_hip.syntax"
+    jobs_list.append(("host", "host", "capi_hip",
                       [clang, "-x", "c++", *HOST_FLAGS, "-fsyntax-only", "-D__HIP_PLATFORM_AMD__=1",
-                       f"-isystem{hip / 'include'}", *incs, f"-I{pybind11.get_include()}",
-                       f"-I{sysconfig.get_paths()['include']}", "-DDSQ_MODULE_NAME=_hip", "-Wall",
-                       str(tree.bindings)], o))
+                       f"-isystem{hip / 'include'}", *incs, "-Wall", str(tree.capi)], o))
     res.commands = [" ".join(map(str, j[3])) for j in jobs_list]
     if (out / "done.json").exists():
         res.cached = True
@@ -678,17 +676,16 @@ def check_isa(rows: list[dict]) -> list[str]:
 def build_module(out: Path | None = None, archs: list[str] | None = None, cxx: str | None = None,
                  rocm: Path | None = None, build: Path = BUILD, link: bool = True,
                  device_libs: list[str] | None = None, only: list[str] | None = None, runtime: bool = True) -> Path:
-    """dsaquant._hip: every .hip for all archs (one fat binary each), the bindings as host C++, linked with amdhip64.
+    """libdsaquant_hip.so: every .hip for all archs (one fat binary each), the C interface as host C++, linked with
+    amdhip64.
     For tests/test_hip_build.py's smoke build with clang-22 and Triton's headers (no ROCm): `device_libs` replaces
     --rocm-path in the HIP compiles, `only` limits the kernel TUs (by stem), runtime=False links without amdhip64."""
-    import pybind11
-
     archs = archs or archs_from_env()
     rocm = rocm or find_rocm()
     cxx = cxx or find_hip_cxx(rocm)
     if cxx is None or rocm is None:
         raise RuntimeError("no ROCm toolchain found (need <rocm>/include/hip and amdclang++/hipcc; set ROCM_PATH)")
-    out = out or ROOT / "python" / "dsaquant" / ("_hip" + sysconfig.get_config_var("EXT_SUFFIX"))
+    out = out or ROOT / "python" / "dsaquant" / LIBRARY
     tree = hipify(build)
     is_hipcc = Path(cxx).name.startswith("hipcc")
     rocm_flag = [] if is_hipcc else [f"--rocm-path={rocm}"]
@@ -707,9 +704,8 @@ def build_module(out: Path | None = None, archs: list[str] | None = None, cxx: s
         cmds.append([cxx, "-x", "hip", *[f"--offload-arch={a}" for a in archs], *SPEC_FLAGS, *hip_flags, "-fPIC",
                      "-fvisibility=hidden", *incs, "-Wall", "-c", str(tu), "-o", str(obj_dir / (tu.stem + ".o"))])
     cmds.append([cxx, "-x", "c++", *HOST_FLAGS, "-fPIC", "-fvisibility=hidden",
-                 "-D__HIP_PLATFORM_AMD__=1", f"-isystem{rocm / 'include'}", *incs, f"-I{pybind11.get_include()}",
-                 f"-I{sysconfig.get_paths()['include']}", "-DDSQ_MODULE_NAME=_hip", "-c", str(tree.bindings),
-                 "-o", str(obj_dir / "bindings_hip.o")])
+                 "-D__HIP_PLATFORM_AMD__=1", f"-isystem{rocm / 'include'}", *incs, "-c", str(tree.capi),
+                 "-o", str(obj_dir / "capi_hip.o")])
     for c in cmds:
         assert not any(f in c for f in FORBIDDEN_FLAGS)
 
@@ -732,7 +728,7 @@ def build_module(out: Path | None = None, archs: list[str] | None = None, cxx: s
     if runtime:
         link_cmd += [f"-L{rocm / 'lib'}", "-lamdhip64", f"-Wl,-rpath,{rocm / 'lib'}"]
     log(" ".join(link_cmd))
-    _run(link_cmd, "linking dsaquant._hip")
+    _run(link_cmd, f"linking {LIBRARY}")
     return out
 
 
@@ -758,7 +754,7 @@ def _check_runtime_matches_torch(rocm: Path) -> None:
 
 # ---- on-device check of the gfx950 FP4 instruction (kernels/hip/fp4_selfcheck.hip) ---------------------------
 def run_fp4_selfcheck(module: Path | None = None, max_first: int = 32) -> int:
-    """Runs dsq_hip_fp4_selfcheck (linked into dsaquant._hip) on the current AMD GPU: e2m1_encode_pair under the
+    """Runs dsq_hip_fp4_selfcheck (linked into libdsaquant_hip.so) on the current AMD GPU: e2m1_encode_pair under the
     `hardware` policy (V_CVT_SCALEF32_PK_FP4_F32 on gfx950) vs the emulation, 5 x 65536 x 254 pairs, raw and with
     NaN made canonical. Prints the counts and the first mismatches; returns the number of mismatches."""
     import ctypes
@@ -767,7 +763,7 @@ def run_fp4_selfcheck(module: Path | None = None, max_first: int = 32) -> int:
 
     if not torch.cuda.is_available() or not getattr(torch.version, "hip", None):
         raise SystemExit("--selfcheck needs a ROCm build of torch and an AMD GPU")
-    module = module or ROOT / "python" / "dsaquant" / ("_hip" + sysconfig.get_config_var("EXT_SUFFIX"))
+    module = module or ROOT / "python" / "dsaquant" / LIBRARY
     lib = ctypes.CDLL(str(module))
     fn = lib.dsq_hip_fp4_selfcheck
     fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]
@@ -804,7 +800,7 @@ def run_fp4_selfcheck(module: Path | None = None, max_first: int = 32) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--build", action="store_true", help="full build of dsaquant._hip (ROCm)")
+    mode.add_argument("--build", action="store_true", help="full build of libdsaquant_hip.so (ROCm)")
     mode.add_argument("--device-only", action="store_true", help="device-only compile + ISA/resource check")
     mode.add_argument("--hipify-only", action="store_true", help="translate only; print the HIP source directory")
     mode.add_argument("--selfcheck", action="store_true",
@@ -827,7 +823,7 @@ def main(argv=None) -> int:
     full = args.build or (not args.device_only and env != "0" and (env == "1" or find_hip_cxx(find_rocm())))
     if full:
         if env == "0":
-            log("DSAQUANT_BUILD_HIP=0: not building dsaquant._hip")
+            log(f"DSAQUANT_BUILD_HIP=0: not building {LIBRARY}")
             return 0
         out = build_module(args.out, archs, link=not args.no_link)
         log(f"built {out}")

@@ -1,11 +1,12 @@
 """Builds the compiled backend modules without setuptools (setup.py calls the same functions).
 
-  python3 tools/build_native.py cuda   -> python/dsaquant/_cuda<EXT_SUFFIX> (nvcc)
+  python3 tools/build_native.py cuda   -> python/dsaquant/libdsaquant_cuda.so (nvcc)
 
 Environment: DSAQUANT_CUDA_ARCHS (default "90a;100a"), CUDA_HOME, DSAQUANT_NVCC_EXTRA (extra flags, e.g.
 tuning macros of a kernel for an experiment). Flags follow SPEC §0: -O3
---fmad=false (no FMA contraction); never fast-math or FTZ. The CUDA runtime is linked statically and
-no libtorch is linked, so the module imports under any torch version.
+--fmad=false (no FMA contraction); never fast-math or FTZ. The result is a plain shared library with the C
+interface of src/include/dsaquant/abi.h (loaded with ctypes: python/dsaquant/backends/abi.py). The CUDA runtime
+is linked statically and neither Python nor libtorch is linked, so it serves every CPython and torch version.
 """
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_SOURCES = ["src/bindings.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu",
-                "kernels/cuda/v4.cu", "kernels/cuda/scorer.cu",
-                "kernels/cuda/topk.cu"]
+CUDA_SOURCES = ["src/capi.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu",
+                "kernels/cuda/v4.cu", "kernels/cuda/scorer.cu", "kernels/cuda/topk.cu"]
+LIBRARY = "libdsaquant_cuda.so"   # the file name python/dsaquant/backends/cuda.py loads
 
 
 def find_nvcc() -> str | None:
@@ -30,16 +30,14 @@ def find_nvcc() -> str | None:
 
 
 def nvcc_flags() -> list[str]:
-    import pybind11
     archs = [a.strip() for a in os.environ.get("DSAQUANT_CUDA_ARCHS", "90a;100a").split(";") if a.strip()]
     return ["-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-            f"-I{ROOT / 'src/include'}", f"-I{ROOT / 'kernels/cuda'}", f"-I{pybind11.get_include()}",
-            f"-I{sysconfig.get_paths()['include']}", *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs],
+            f"-I{ROOT / 'src/include'}", f"-I{ROOT / 'kernels/cuda'}", *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs],
             *os.environ.get("DSAQUANT_NVCC_EXTRA", "").split()]
 
 
 def build_cuda(out: Path, tmp: Path, nvcc: str, sources=CUDA_SOURCES) -> Path:
-    """Compile `sources` (objects in parallel) and link the module at `out`."""
+    """Compile `sources` (objects in parallel) and link the shared library at `out`."""
     tmp.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     flags = nvcc_flags()
@@ -57,6 +55,25 @@ def build_cuda(out: Path, tmp: Path, nvcc: str, sources=CUDA_SOURCES) -> Path:
     return out
 
 
+def library_filename(ext_name: str) -> str:
+    """The file of a library extension named like a module ("dsaquant.libdsaquant_cuda" -> "dsaquant/
+    libdsaquant_cuda.so"): no Python ABI suffix, since the library has none (setup.py's build_ext uses this)."""
+    return os.path.join(*ext_name.split(".")) + ".so"
+
+
+def py3_wheel_command():
+    """setuptools' bdist_wheel tagged py3-none-<platform>: the compiled libraries link no Python, so one wheel
+    serves every CPython >= 3.10 (requires-python) on its platform."""
+    from setuptools.command.bdist_wheel import bdist_wheel
+
+    class Py3Wheel(bdist_wheel):
+        def get_tag(self):
+            _, _, plat = super().get_tag()
+            return "py3", "none", plat
+
+    return Py3Wheel
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     what = argv[0] if argv else "cuda"
@@ -65,7 +82,7 @@ def main(argv=None):
     nvcc = find_nvcc()
     if nvcc is None:
         raise SystemExit("no nvcc found (set CUDA_HOME)")
-    out = ROOT / "python" / "dsaquant" / ("_cuda" + sysconfig.get_config_var("EXT_SUFFIX"))
+    out = ROOT / "python" / "dsaquant" / LIBRARY
     print(f"built {build_cuda(out, ROOT / 'build' / 'native-cuda', nvcc)}")
 
 

@@ -19,7 +19,7 @@
 // 51.2 -> 49.0 us at T=8192). The last ceil(T/32) blocks
 // are k blocks, one k row per group; a k block shares the norm weights through shared memory, loaded with
 // the rows (at small T the k row is the call's critical path). 1-D grid (no 65535 limit).
-// Template parameters: MODE 0 = FP8; 1, 2, 3 = FP4 with rounding policy MODE-1 (SPEC §2); IN_DT the
+// Template parameters: MODE kModeFp8 = FP8, kModeFp4<r> = FP4 with rounding policy r (SPEC §2); IN_DT the
 // q/k dtype; CDT the cos/sin table dtype; NEOX the RoPE style.
 #include <atomic>
 
@@ -29,6 +29,13 @@
 
 namespace dsqk {
 namespace {
+
+// The kernel's MODE template parameter folds the FP8/FP4 choice and the FP4 rounding policy into one int.
+constexpr int kModeFp8 = 0;
+template <Rounding R>
+constexpr int kModeFp4 = 1 + code(R);
+template <int MODE>
+constexpr Rounding mode_rounding = static_cast<Rounding>(MODE - 1);
 
 // Tuning (the values below were the fastest on the H200, dev/indexer_variants.sh); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
@@ -73,12 +80,12 @@ namespace {
 constexpr int kGroupLanes = 8;                 // lanes per row
 constexpr int kGroups = 256 / kGroupLanes;     // rows per block
 template <int MODE>
-constexpr int kStages = MODE == 0 ? DSQ_INDEXER_STAGES_FP8 : DSQ_INDEXER_STAGES_FP4;
+constexpr int kStages = MODE == kModeFp8 ? DSQ_INDEXER_STAGES_FP8 : DSQ_INDEXER_STAGES_FP4;
 // The block's shared memory, in 16-byte units: a q block's row ring ([slot][a / b][thread] uint4, then the
 // FP8 weights [slot][group] float, then the RoPE entries [c0-3, c4-7, s0-3, s4-7][thread] float4), or a
 // k block's norm weights and biases (256 floats).
 template <int MODE>
-constexpr int kRingVec4 = kStages<MODE> * (2 * 256 + (MODE == 0 ? kGroups / 4 : 0));
+constexpr int kRingVec4 = kStages<MODE> * (2 * 256 + (MODE == kModeFp8 ? kGroups / 4 : 0));
 #ifndef DSQ_INDEXER_TABLE_IN_SMEM   // ring path: the thread's RoPE entries in shared memory, not registers
 #define DSQ_INDEXER_TABLE_IN_SMEM 1
 #endif
@@ -332,29 +339,29 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
   const uint16_t* q_t = static_cast<const uint16_t*>(a.q) + t * a.q_st;
   // The token's outputs: per-head offsets from these bases are 32-bit (a token's part is small).
   const int H = static_cast<int>(a.H);
-  constexpr int kRowBytes = MODE == 0 ? 128 : 64;   // a q row's output bytes
+  constexpr int kRowBytes = MODE == kModeFp8 ? 128 : 64;   // a q row's output bytes
   uint8_t* q_out_t = a.q_out + t * H * kRowBytes;
   const int qs_pad = static_cast<int>(aiter_q_scale_pad(H));
   // FP4 exponents: lane 0 of a group stores blocks 0 and 2, lane 4 blocks 1 and 3 (layouts.h: a block's
   // part plus a head's part); q_scale_l holds the token's base plus this lane's first block's part.
   const int blk = (lane >> 2) & 1, scale_2 = aiter_q_scale_group_part(2, qs_pad);
   uint8_t* q_scale_l =
-      MODE == 0 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H) + aiter_q_scale_group_part(blk, qs_pad);
+      MODE == kModeFp8 ? nullptr : a.q_scale_out + aiter_q_scale_offset(t, 0, 0, H) + aiter_q_scale_group_part(blk, qs_pad);
   const bool skip = !a.compute_all && slot < 0;   // q rows of a skipped token: not written (warp-uniform)
   // FP4: weights_out = the weights, unchanged (SPEC §7.1), copied by the whole team, a head per thread; the
   // first is loaded now (at small T its latency would otherwise come after the heads').
   const int hw_first = h_begin + g * kGroupLanes + lane;
-  const float w_first = MODE != 0 && hw_first < h_end ? load_f(a.w, t * a.w_st + hw_first * a.w_sh, a.w_dt) : 0.0f;
+  const float w_first = MODE != kModeFp8 && hw_first < h_end ? load_f(a.w, t * a.w_st + hw_first * a.w_sh, a.w_dt) : 0.0f;
   float c[8], s[8];
   // Head h from its raw row; w: its weight (FP8, lane 0); act: h < h_end (else nothing is stored);
   // out_h: the head's output row, q_out_t + h * kRowBytes.
   auto head = [&](const Raw& raw, int h, float w, bool act, uint8_t* out_h) {
     float v[16];
-    constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
+    constexpr bool packed = MODE != kModeFp8 && IN_DT == kBF16 && kPackedFp4Native;
     unpack<IN_DT>(raw, v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
     rope_a<NEOX>(mask, lane, v, c, s);
     if constexpr (!packed) round8<IN_DT>(v, 0);
-    if constexpr (MODE == 0) {
+    if constexpr (MODE == kModeFp8) {
       uint32_t codes[4];
       const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::q, a.ue8m0, codes);
       if (!act) return;
@@ -369,9 +376,9 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
         uint32_t xa[4], xb[4];
         round_j_j4(v, 0, xa);
         pair_j_j4(raw.b, xb);
-        fp4_quant_bf16<static_cast<Rounding>(MODE - 1)>(mask, xa, xb, ba, bb, ea, eb);
+        fp4_quant_bf16<mode_rounding<MODE>>(mask, xa, xb, ba, bb, ea, eb);
       } else {
-        fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+        fp4_quant<mode_rounding<MODE>>(mask, v, ba, bb, ea, eb);
       }
       if (!act) return;
       uint32_t* out = reinterpret_cast<uint32_t*>(out_h);
@@ -415,7 +422,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
           rows[sl][0][tid] = load8_scalar(rn);
           rows[sl][1][tid] = load8_scalar(rn + 64);
         }
-        if (MODE == 0 && lane == 0) {
+        if (MODE == kModeFp8 && lane == 0) {
           if (a.w_dt == kF32)
             cp_async4(&wts[sl][grp], static_cast<const float*>(a.w) + wn);
           else
@@ -456,7 +463,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
         c[0] = c0.x; c[1] = c0.y; c[2] = c0.z; c[3] = c0.w; c[4] = c1.x; c[5] = c1.y; c[6] = c1.z; c[7] = c1.w;
         s[0] = s0.x; s[1] = s0.y; s[2] = s0.z; s[3] = s0.w; s[4] = s1.x; s[5] = s1.y; s[6] = s1.z; s[7] = s1.w;
       }
-      const float w = MODE == 0 ? wts[sl][grp] : 0.0f;
+      const float w = MODE == kModeFp8 ? wts[sl][grp] : 0.0f;
       // Refill the slot read in the previous iteration: its values have been used (this thread's own
       // shared-memory reads are ordered before its later cp.async).
       stage(static_cast<int>((it + kSlots - 1) % kSlots));
@@ -466,7 +473,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
   } else
 #endif
   {
-    constexpr int kHeadsInFlight = MODE == 0 ? DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 : DSQ_INDEXER_HEADS_IN_FLIGHT_FP4;
+    constexpr int kHeadsInFlight = MODE == kModeFp8 ? DSQ_INDEXER_HEADS_IN_FLIGHT_FP8 : DSQ_INDEXER_HEADS_IN_FLIGHT_FP4;
     bool have_table = false;
     for (int hw = hw0; hw < h_end; hw += ngroups * kHeadsInFlight) {
       Raw raw[kHeadsInFlight];
@@ -477,7 +484,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
         h = h < h_end ? h : h_end - 1;   // past the end: the last head's row (loaded, not stored)
         if (hw + ngroups * i < h_end) {
           raw[i] = load_raw(q_t + h * a.q_sh, lane, a.q_vec);
-          w[i] = MODE == 0 && lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
+          w[i] = MODE == kModeFp8 && lane == 0 ? load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt) : 0.0f;
         }
       }
       if (skip) return;
@@ -493,7 +500,7 @@ __device__ __forceinline__ void q_heads(const IndexerArgs& a, int64_t t, int h_b
       }
     }
   }
-  if (MODE != 0 && !skip && hw_first < h_end) {   // FP4: the weights (above), the rest after the heads
+  if (MODE != kModeFp8 && !skip && hw_first < h_end) {   // FP4: the weights (above), the rest after the heads
     store_weight(a, t, hw_first, w_first);
     for (int h = hw_first + ngroups * kGroupLanes; h < h_end; h += ngroups * kGroupLanes)
       store_weight(a, t, h, load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt));
@@ -524,10 +531,10 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   __syncthreads();
   if (!valid) return;
   // SPEC §7.5: an out-of-range position is clamped and reported (once per token: here).
-  if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, 2);
+  if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, code(ErrFlag::position_out_of_range));
   if (slot < 0) return;
   if (slot >= a.num_blocks * a.P) {
-    if (lane == 0) atomicOr(a.err_flag, 1);
+    if (lane == 0) atomicOr(a.err_flag, code(ErrFlag::slot_out_of_range));
     return;
   }
   const SlotPos sp = slot_pos(slot, a.P);   // the slot's page and place, once (it overlaps the LayerNorm)
@@ -566,9 +573,9 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   round8<IN_DT>(v, 0);
   round8<IN_DT>(v, 8);
   rope_a<NEOX>(mask, lane, v, c, s);
-  constexpr bool packed = MODE != 0 && IN_DT == kBF16 && kPackedFp4Native;
+  constexpr bool packed = MODE != kModeFp8 && IN_DT == kBF16 && kPackedFp4Native;
   if constexpr (!packed) round8<IN_DT>(v, 0);
-  if constexpr (MODE == 0) {
+  if constexpr (MODE == kModeFp8) {
     uint32_t codes[4];
     const float sc = fp8_quant(mask, v, static_cast<Fp8Flavour>(a.flavour), Fp8Role::k, a.ue8m0, codes);
 #pragma unroll
@@ -585,9 +592,9 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
       uint32_t xa[4], xb[4];
       round_j_j4(v, 0, xa);   // the RoPE'd values' rounding
       round_j_j4(v, 8, xb);   // exact (rounded after the norm)
-      fp4_quant_bf16<static_cast<Rounding>(MODE - 1)>(mask, xa, xb, ba, bb, ea, eb);
+      fp4_quant_bf16<mode_rounding<MODE>>(mask, xa, xb, ba, bb, ea, eb);
     } else {
-      fp4_quant<static_cast<Rounding>(MODE - 1)>(mask, v, ba, bb, ea, eb);
+      fp4_quant<mode_rounding<MODE>>(mask, v, ba, bb, ea, eb);
     }
     *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset_at(sp, a.P, 4 * lane)) = ba;
     *reinterpret_cast<uint32_t*>(a.kv_cache + aiter_fp4_data_offset_at(sp, a.P, 32 + 4 * lane)) = bb;
@@ -603,7 +610,7 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
 // groups share the token's heads); else block b takes `chunk_heads` heads of token b / chunks, one group
 // per head (latency: a small call's heads spread over SMs).
 template <int MODE, int IN_DT, int CDT, bool NEOX>
-__global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4)
+__global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4)
     indexer_kernel(IndexerArgs a, int64_t nk_first, int64_t nq, int chunks, int chunk_heads) {
   __shared__ uint4 smem[kSmemVec4<MODE>];
   // Blocks [0, nk_first) are k blocks, then nq q blocks, then the other k blocks (host: below).
@@ -646,10 +653,10 @@ __global__ void __launch_bounds__(256, MODE == 0 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : 
 
 template <class F>
 void with_mode(const IndexerArgs& a, F&& f) {   // FP8, or FP4 with its rounding policy
-  if (!a.fp4) f(IC<0>{});
-  else if (a.rounding == 0) f(IC<1>{});
-  else if (a.rounding == 1) f(IC<2>{});
-  else f(IC<3>{});
+  if (!a.fp4) f(IC<kModeFp8>{});
+  else if (a.rounding == code(Rounding::threshold)) f(IC<kModeFp4<Rounding::threshold>>{});
+  else if (a.rounding == code(Rounding::rne)) f(IC<kModeFp4<Rounding::rne>>{});
+  else f(IC<kModeFp4<Rounding::hardware>>{});
 }
 
 #if !defined(__HIP__)

@@ -32,8 +32,10 @@ __device__ __forceinline__ unsigned group_mask() {
   return (threadIdx.x & 16) ? 0xFFFF0000u : 0x0000FFFFu;
 }
 
-// Element types of the inputs, by a runtime code (dtype codes shared with the Python glue).
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4, kPairs = 5 };  // kPairs: fp32 (cos, sin) table
+// Element types of the inputs, by a runtime code: dsaquant/codes.h DType (kF32 .. kI64). kPairs, outside that
+// range, is this file's own template code of a RoPE table of fp32 (cos, sin) pairs (RopeArgs::pairs).
+constexpr int kPairs = 5;
+static_assert(kPairs > kI64, "kPairs must not collide with a DType code");
 
 __device__ __forceinline__ float load_f(const void* p, int64_t i, int dt) {
   if (dt == kF32) return static_cast<const float*>(p)[i];

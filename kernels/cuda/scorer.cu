@@ -29,6 +29,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "dsaquant/codes.h"
 #include "dsaquant/layouts.h"
 #include "scorer.h"
 #include "wgmma.cuh"
@@ -38,7 +39,10 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kTile = 64;          // KV positions per tile: the wgmma M side
 constexpr int kStages = 4;         // cp.async pipeline depth
-constexpr int kPageOutOfRange = 4; // python/dsaquant/errors.py PAGE_OUT_OF_RANGE
+constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
+static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
+                  DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
+              "scorer.h layout codes are dsaquant/codes.h's");
 constexpr int kFoldShift = 6;      // E2M1 values are scaled by up to 2^6 (6 * 64 = 384 <= 448)
 
 // Shared memory of one CTA, in bytes from a 1024-aligned base.
@@ -79,10 +83,10 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int dtype) {
-  return dtype == 4 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+  return dtype == dsq::kI64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 __device__ __forceinline__ float load_float(const void* p, int64_t i, int dtype) {
-  if (dtype == 1) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  if (dtype == dsq::kBF16) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
   return static_cast<const float*>(p)[i];
 }
 
@@ -512,7 +516,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
           const bool in_ctx = p < len[qi];
           if (!in_ctx && !a.clean_logits) continue;
           const float v = in_ctx && (k == 0 ? ok0 : ok1) ? (k == 0 ? v0 * post0 : v1 * post1) * wscale : ninf;
-          if (a.out_dtype == 1)
+          if (a.out_dtype == dsq::kBF16)
             static_cast<uint16_t*>(a.logits)[row + p] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
           else
             static_cast<float*>(a.logits)[row + p] = v;
@@ -531,8 +535,8 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
       if (!valid[qi]) continue;
       const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * a.ld;
       for (int p = p_begin + tid; p < p_end; p += kThreads) {
-        if (a.out_dtype == 1)
-          static_cast<uint16_t*>(a.logits)[row + p] = 0xFF80;
+        if (a.out_dtype == dsq::kBF16)
+          static_cast<uint16_t*>(a.logits)[row + p] = 0xFF80;   // bf16 -inf
         else
           static_cast<float*>(a.logits)[row + p] = ninf;
       }

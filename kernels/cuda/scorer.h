@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-// Layout codes (python/dsaquant/triton/scorer.py LAYOUT_IDS); dtype codes of backends/compiled.py DTYPE.
+// Layout codes: dsaquant/codes.h Layout (asserted in scorer.cu); dtype fields hold dsaquant/codes.h DType codes.
 enum { DSQ_SCORER_FP8_132 = 0, DSQ_SCORER_PACKED68 = 1, DSQ_SCORER_AITER_FP4 = 2 };
 
 typedef struct DsqPagedLogitsArgs {

@@ -22,12 +22,12 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   if (t >= a.T) return;
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
-  if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, 2);   // SPEC §7.5
-  constexpr bool v41 = MODE == 0;
+  if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, code(ErrFlag::position_out_of_range));   // SPEC §7.5
+  constexpr bool v41 = MODE == code(KStoreMode::packed68);
   if (slot < (v41 ? 1 : 0)) return;                 // §7.2: slot 0 reserved; negative slots skipped
-  const int64_t capacity = MODE == 2 ? a.num_blocks : a.num_blocks * a.P;
+  const int64_t capacity = MODE == code(KStoreMode::dense) ? a.num_blocks : a.num_blocks * a.P;
   if (slot >= capacity) {
-    if (lane == 0) atomicOr(a.err_flag, 1);
+    if (lane == 0) atomicOr(a.err_flag, code(ErrFlag::slot_out_of_range));
     return;
   }
   float v[kVals];
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   } else {
   if (a.hadamard) hadamard_row(mask, lane, v);
   const uint32_t word = fp4_quant8(mask, v, ScaleRule::recip, r, e);
-  if (MODE == 1) {
+  if (MODE == code(KStoreMode::aiter_fp4)) {
     *reinterpret_cast<uint32_t*>(a.cache + aiter_fp4_data_offset(slot, a.P, 4 * lane)) = word;
     if (first) a.cache_scale[aiter_fp4_scale_offset(slot, a.P, g)] = static_cast<uint8_t>(e);
   } else {
@@ -83,7 +83,7 @@ __device__ __forceinline__ void qpack_load(const QPackArgs& a, int lane, int64_t
   in.h = row - in.t * a.H;
   in.pos = load_i(a.positions, in.t, a.pos_dt);
   load_row8<IN_DT>(static_cast<const uint16_t*>(a.q) + in.t * a.q_st + in.h * a.q_sh, lane, a.q_vec, in.v);
-  if (MODE == 0) in.w = load_f(a.w, in.t * a.w_st + in.h * a.w_sh, a.w_dt);
+  if (MODE == code(QPackMode::pack)) in.w = load_f(a.w, in.t * a.w_st + in.h * a.w_sh, a.w_dt);
 }
 
 template <int IN_DT, int MODE>
@@ -91,12 +91,12 @@ __device__ __forceinline__ void qpack_row(const QPackArgs& a, unsigned mask, int
   if (!in.valid) return;
   const int64_t row = in.row;
   float (&v)[kVals] = in.v;
-  if (lane == 0 && in.h == 0 && (in.pos < 0 || in.pos >= a.rope.max_pos)) atomicOr(a.err_flag, 2);   // SPEC §7.5
+  if (lane == 0 && in.h == 0 && (in.pos < 0 || in.pos >= a.rope.max_pos)) atomicOr(a.err_flag, code(ErrFlag::position_out_of_range));   // SPEC §7.5
   const int64_t pos = rope_position(in.pos, a.rope.max_pos, a.compress_ratio);
   rope_row</*NEOX=*/false, /*TAIL=*/true, kPairs>(mask, lane, v, a.rope, pos);
 #pragma unroll
   for (int e = 0; e < kVals; ++e) v[e] = round_to<IN_DT>(v[e]);
-  if constexpr (MODE == 0) {
+  if constexpr (MODE == code(QPackMode::pack)) {
     int e;
     const uint32_t word = two_stage(mask, v, static_cast<Rounding>(a.rounding), e);
     reinterpret_cast<uint32_t*>(a.payload + row * 64)[lane] = word;
@@ -109,12 +109,12 @@ __device__ __forceinline__ void qpack_row(const QPackArgs& a, unsigned mask, int
     }
   } else {
   // rope_fake_quant_fp4: stage 1 alone, ue8m0 scales on blocks of 32 or e4m3 scales on blocks of 16.
-  const float amax = group_amax(mask, v, MODE == 1 ? 4 : 2);
+  const float amax = group_amax(mask, v, MODE == code(QPackMode::fake_ue8m0) ? 4 : 2);
   const int e1 = ue8m0_exponent(amax, ScaleRule::recip);
-  const float s = MODE == 1 ? pow2(e1) : nvfp4_e4m3_scale(amax);
+  const float s = MODE == code(QPackMode::fake_ue8m0) ? pow2(e1) : nvfp4_e4m3_scale(amax);
   uint16_t hbits[kVals];
 #pragma unroll
-  for (int e = 0; e < kVals; ++e) hbits[e] = to_half_bits<IN_DT>(MODE == 1 ? fp4_fake_quant_value_e(canon(v[e]), e1) : fp4_fake_quant_value(canon(v[e]), s));
+  for (int e = 0; e < kVals; ++e) hbits[e] = to_half_bits<IN_DT>(MODE == code(QPackMode::fake_ue8m0) ? fp4_fake_quant_value_e(canon(v[e]), e1) : fp4_fake_quant_value(canon(v[e]), s));
   uint4 out;
   out.x = hbits[0] | (static_cast<uint32_t>(hbits[1]) << 16);
   out.y = hbits[2] | (static_cast<uint32_t>(hbits[3]) << 16);
@@ -144,17 +144,19 @@ int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream) {
   if (a.T == 0) return 0;
   using namespace dsqk;
   const unsigned blocks = static_cast<unsigned>((a.T + 15) / 16);
-  if (a.mode == 0) {
+  constexpr int kPacked68 = code(KStoreMode::packed68), kAiter = code(KStoreMode::aiter_fp4),
+                kDense = code(KStoreMode::dense);
+  if (a.mode == kPacked68) {
     with_half(a.in_dt, [&](auto in_dt) {
-      kstore_kernel<decltype(in_dt)::value, kPairs, 0><<<blocks, 256, 0, stream>>>(a);
+      kstore_kernel<decltype(in_dt)::value, kPairs, kPacked68><<<blocks, 256, 0, stream>>>(a);
     });
   } else {
     with_float(a.in_dt, [&](auto in_dt) {
       with_table(a.rope, [&](auto cdt) {
-        if (a.mode == 1)
-          kstore_kernel<decltype(in_dt)::value, decltype(cdt)::value, 1><<<blocks, 256, 0, stream>>>(a);
+        if (a.mode == kAiter)
+          kstore_kernel<decltype(in_dt)::value, decltype(cdt)::value, kAiter><<<blocks, 256, 0, stream>>>(a);
         else
-          kstore_kernel<decltype(in_dt)::value, decltype(cdt)::value, 2><<<blocks, 256, 0, stream>>>(a);
+          kstore_kernel<decltype(in_dt)::value, decltype(cdt)::value, kDense><<<blocks, 256, 0, stream>>>(a);
       });
     });
   }
@@ -168,9 +170,11 @@ int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((rows + 16 * dsqk::kQRowsPerGroup - 1) / (16 * dsqk::kQRowsPerGroup));
   with_half(a.in_dt, [&](auto in_dt) {
     constexpr int D = decltype(in_dt)::value;
-    if (a.mode == 0) qpack_kernel<D, 0><<<blocks, 256, 0, stream>>>(a);
-    else if (a.mode == 1) qpack_kernel<D, 1><<<blocks, 256, 0, stream>>>(a);
-    else qpack_kernel<D, 2><<<blocks, 256, 0, stream>>>(a);
+    constexpr int kPack = code(QPackMode::pack), kUe8m0 = code(QPackMode::fake_ue8m0),
+                  kE4m3 = code(QPackMode::fake_e4m3);
+    if (a.mode == kPack) qpack_kernel<D, kPack><<<blocks, 256, 0, stream>>>(a);
+    else if (a.mode == kUe8m0) qpack_kernel<D, kUe8m0><<<blocks, 256, 0, stream>>>(a);
+    else qpack_kernel<D, kE4m3><<<blocks, 256, 0, stream>>>(a);
   });
   return static_cast<int>(cudaGetLastError());
 }

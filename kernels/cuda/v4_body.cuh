@@ -25,8 +25,6 @@ using namespace dsq;
 
 constexpr int kThreads = 256;            // threads per block, both kernels
 constexpr int kWarps = kThreads / 32;    // 32-lane warps per block
-constexpr int kErrSlot = 1;              // errors.SLOT_OUT_OF_RANGE
-constexpr int kErrPos = 2;               // errors.POSITION_OUT_OF_RANGE
 
 // ---- loads ------------------------------------------------------------------------------------------
 V4_FN float load_f(const void* p, int64_t i, int dt) {   // fp32 / bf16 / fp16 element -> fp32 (exact)
@@ -378,7 +376,7 @@ V4_FN void finish_row(const CompressArgs& a, const CompressSmem& sm, int64_t p, 
   V4_UNROLL
   for (int e = 0; e < V; ++e) x[e] = sm.y[V * lane + e];
   const int pts = a.bf16_after;
-  if (pts & kAfterPool) warp_round_bf16(x);
+  if (pts & code(RoundPoint::pool)) warp_round_bf16(x);
   // RMSNorm (SPEC §5): inv = 1/sqrt(S(x*x)/D + eps), y = fl(w * fl(x*inv)).
   float sq[V];
   V4_UNROLL
@@ -387,24 +385,24 @@ V4_FN void finish_row(const CompressArgs& a, const CompressSmem& sm, int64_t p, 
   const float inv = inv_sqrt_eps(fmul(warp_sum(sq), 1.0f / static_cast<float>(D)), a.eps);
   V4_UNROLL
   for (int e = 0; e < V; ++e) x[e] = rms_norm_apply(x[e], inv, load_f(a.norm_w, V * lane + e, a.norm_w_dt));
-  if (pts & kAfterNorm) warp_round_bf16(x);
+  if (pts & code(RoundPoint::norm)) warp_round_bf16(x);
   // Tail RoPE at p + 1 - ratio (>= 0), clamped into the table (reported by the caller).
   warp_rope_tail(x, lane, a.rope, rope_position(p + 1 - Geo<K>::kRatio, a.rope.max_pos, 1));
-  if (pts & kAfterRope) warp_round_bf16(x);
+  if (pts & code(RoundPoint::rope)) warp_round_bf16(x);
   if constexpr (D == 128) {
     if (a.hadamard) {
       warp_hadamard(x, lane);
-      if (pts & kAfterHadamard) warp_round_bf16(x);
+      if (pts & code(RoundPoint::hadamard)) warp_round_bf16(x);
     }
   }
-  if (a.quant_mode == kNone || D != 128) {      // bf16 [NB, P, D]: slot t is row t
+  if (a.quant_mode == code(QuantMode::none) || D != 128) {      // bf16 [NB, P, D]: slot t is row t
     uint16_t* row = reinterpret_cast<uint16_t*>(a.cache) + slot * D + V * lane;
     V4_UNROLL
     for (int e = 0; e < V; ++e) row[e] = round_bf16(x[e]);
     return;
   }
   if constexpr (D == 128) {
-    if (a.quant_mode == kFp8) {                // fp8_132 (SPEC §4 k rule, §6)
+    if (a.quant_mode == code(QuantMode::fp8)) {                // fp8_132 (SPEC §4 k rule, §6)
       const Fp8Flavour fl = static_cast<Fp8Flavour>(a.flavour);
       float am[1];
       group_amax(x, 128, am);
@@ -426,7 +424,7 @@ V4_FN void finish_row(const CompressArgs& a, const CompressSmem& sm, int64_t p, 
     const int ex = ue8m0_exponent(am[0], rule);
     const int blk = lane >> 3;
     const bool first = (lane & 7) == 0;
-    if (a.quant_mode == kFp4Sim) {             // §7.2 stage 1, bf16 [NB, P, 128]
+    if (a.quant_mode == code(QuantMode::fp4_sim)) {             // §7.2 stage 1, bf16 [NB, P, 128]
       uint16_t* row = reinterpret_cast<uint16_t*>(a.cache) + slot * D + V * lane;
       V4_UNROLL
       for (int e = 0; e < V; ++e) row[e] = round_bf16(fp4_fake_quant_value_e(canon_nan(x[e]), ex));
@@ -452,11 +450,11 @@ template <int K, int D>
 V4_FN void compress_boundary(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
   const int tid = thread_id();
   // SPEC §7.5: the RoPE position p + 1 - ratio (>= 0) is clamped into the table and reported.
-  if (tid == 0 && p + 1 - Geo<K>::kRatio >= a.rope.max_pos) atomic_or(a.err_flag, kErrPos);
+  if (tid == 0 && p + 1 - Geo<K>::kRatio >= a.rope.max_pos) atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));
   const int64_t slot = a.out_slots[i];
   if (slot < 0) return;                        // no store (the ring update still happens)
   if (slot >= a.num_blocks * a.P) {            // never written out of bounds: skipped and reported
-    if (tid == 0) atomic_or(a.err_flag, kErrSlot);
+    if (tid == 0) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
     return;
   }
   pool_row<K, D>(a, sm, q, i, p);
@@ -516,7 +514,7 @@ V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
   const Seq q = seq_of(a, b);
   if (q.len == 0) return;
   if (q.slot < 0 || q.slot >= a.n_ring) {      // the whole sequence is skipped, and reported (once)
-    if (seq_block && thread_id() == 0) atomic_or(a.err_flag, kErrSlot);
+    if (seq_block && thread_id() == 0) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
     return;
   }
   // Sequence block: the boundaries at local index j < K - 1 (the only ones whose windows may reach into the ring),
@@ -551,12 +549,12 @@ V4_FN void rotate_block(const RotateArgs& a) {
   V4_UNROLL
   for (int e = 0; e < V; ++e) x[e] = load_f(a.x, t * a.x_st + h * a.x_sh + V * lane + e, a.in_dt);
   const int64_t pos = load_i(a.positions, t, a.pos_dt);
-  if (h == 0 && lane == 0 && (pos < 0 || pos >= a.rope.max_pos)) atomic_or(a.err_flag, kErrPos);   // SPEC §7.5
+  if (h == 0 && lane == 0 && (pos < 0 || pos >= a.rope.max_pos)) atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));   // SPEC §7.5
   warp_rope_tail(x, lane, a.rope, rope_position(pos, a.rope.max_pos, 1));
   if (a.hadamard) warp_hadamard(x, lane);
   const int g = a.group;
   const int cs = g < V ? g : V;
-  if (a.out_kind == kOutHalf) {                // x's dtype, rounded (SPEC §0.4); out may alias x
+  if (a.out_kind == code(OutKind::half)) {                // x's dtype, rounded (SPEC §0.4); out may alias x
     uint16_t* o = reinterpret_cast<uint16_t*>(a.out) + t * a.out_st + h * a.out_sh + V * lane;
     V4_UNROLL
     for (int e = 0; e < V; ++e) o[e] = a.in_dt == kBF16 ? round_bf16(x[e]) : round_fp16(x[e]);
@@ -565,7 +563,7 @@ V4_FN void rotate_block(const RotateArgs& a) {
   float am[NC];
   group_amax(x, g, am);
   const int64_t ng = D / g;                    // groups per row
-  if (a.out_kind == kOutFp8) {                 // s = max(amax, 1e-10) / fmax per group, codes of x * fl(1/s)
+  if (a.out_kind == code(OutKind::fp8)) {                 // s = max(amax, 1e-10) / fmax per group, codes of x * fl(1/s)
     const Fp8Flavour fl = static_cast<Fp8Flavour>(a.flavour);
     float sc[NC], inv[NC];
     V4_UNROLL

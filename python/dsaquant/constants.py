@@ -1,22 +1,15 @@
-"""String constants (and str-enums) for the options every op takes. Plain strings work everywhere too."""
+"""The option strings every op takes, as str-enums (`dsaquant.Rounding.RNE == "rne"`) and tuples. Plain strings
+work everywhere too. Generated from the integer codes of codes.py, where each option is defined once."""
 from enum import Enum
 
-
-class Rounding(str, Enum):
-    """SPEC §2 rounding policies for FP4 codes."""
-    THRESHOLD = "threshold"   # midpoints toward zero (sglang-c4, DeepGEMM reference packer)
-    RNE = "rne"               # round half to even, no -0 code (sglang-v41)
-    HARDWARE = "hardware"     # AMD v_cvt_scalef32_pk_fp4_f32: RNE, keeps the sign of zero
+from . import codes
+from .codes import FP8_FLAVOURS, LAYOUTS, ROUNDINGS, SCALE_RULES  # noqa: F401
 
 
-class Layout(str, Enum):
-    """SPEC §6 cache layouts."""
-    PACKED68 = "packed68"     # FP4, sglang-v41 / DeepGEMM / vLLM V4
-    FP8_132 = "fp8_132"       # FP8, aiter / vLLM / sglang V3.2
-    AITER_FP4 = "aiter_fp4"   # FP4, aiter pa_mqa_logits_fp4
+def _options(enum) -> type[Enum]:
+    """A str-enum of the option strings of codes enum `enum` (member NAME = "name"), in code order."""
+    return Enum(enum.__name__, [(n.upper(), n) for n in codes.names(enum)], type=str, module=__name__)
 
 
-ROUNDINGS = tuple(r.value for r in Rounding)
-LAYOUTS = tuple(x.value for x in Layout)
-SCALE_RULES = ("pack", "recip")
-FP8_FLAVOURS = ("e4m3fn", "e4m3fnuz")
+Rounding = _options(codes.Rounding)   # SPEC §2 rounding policies of FP4 codes
+Layout = _options(codes.Layout)       # SPEC §6 cache layouts

@@ -12,9 +12,11 @@ import threading
 
 import torch
 
-SLOT_OUT_OF_RANGE = 1
-POSITION_OUT_OF_RANGE = 2
-PAGE_OUT_OF_RANGE = 4
+from .codes import ErrFlag
+
+SLOT_OUT_OF_RANGE = int(ErrFlag.slot_out_of_range)
+POSITION_OUT_OF_RANGE = int(ErrFlag.position_out_of_range)
+PAGE_OUT_OF_RANGE = int(ErrFlag.page_out_of_range)
 MESSAGES = {
     SLOT_OUT_OF_RANGE: "a slot id at or past the cache's capacity was skipped (nothing was written for it)",
     POSITION_OUT_OF_RANGE: "a position outside [0, max_pos) of the RoPE table was clamped into it (SPEC §7.5)",

@@ -14,11 +14,11 @@ from torch import Tensor
 
 from . import dispatch
 from . import validate as V
+from .codes import LAYOUTS
 from .reference.fp4 import POLICIES
 from .reference.layouts import aiter_fp4_to_packed68, aiter_q_scale_pad, packed68_to_aiter_fp4
 
 D = 128
-LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 
 
 def _call(op: str, backend: str, *args):

@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from . import errors
+from . import codes, errors
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 HALFS = (torch.bfloat16, torch.float16)
@@ -89,7 +89,7 @@ def fp8_flavour_of(q_out: torch.Tensor, fp8_flavour: str | None) -> str:
     or the device's default (default_fp8_flavour)."""
     from_dtype = FP8_DTYPES.get(q_out.dtype)
     if fp8_flavour is not None:
-        choice("fp8_flavour", fp8_flavour, ("e4m3fn", "e4m3fnuz"))
+        choice("fp8_flavour", fp8_flavour, codes.FP8_FLAVOURS)
         if from_dtype and from_dtype != fp8_flavour:
             raise ValueError(f"fp8_flavour: {fp8_flavour!r} contradicts q_out's dtype {q_out.dtype}")
         return fp8_flavour

@@ -5,10 +5,10 @@
 // one after another in a chosen order (forward, reverse or shuffled), so that results must not depend on the
 // order of blocks. A shuffle that not every lane of its warp reaches (undefined on a GPU) is reported as an
 // error instead of hanging. Pointers are host pointers (CPU torch tensors): the Python glue
-// (python/dsaquant/backends/compiled.py make_ops) drives this module exactly as it drives dsaquant._cuda.
+// (python/dsaquant/backends/compiled.py make_ops) drives this library through the same C interface as
+// libdsaquant_cuda.so (dsaquant/abi.h: dsq_compress_kv, dsq_rope_rotate_quant, dsq_error_string), plus the
+// dsq_emu_* entry points below for the tests. An error (a C++ exception) returns 1; dsq_error_string(1) names it.
 // Built by tests/test_v4_host.py with g++ -O2 -std=c++17 -ffp-contract=off -fno-fast-math (SPEC §0).
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -23,8 +23,6 @@
 #include <vector>
 
 #include "v4_args.h"
-
-namespace py = pybind11;
 
 namespace emu {
 
@@ -180,17 +178,18 @@ inline void atomic_or(int* p, int v) { *p |= v; }
 
 namespace {
 
-struct DictSrc {   // the same keys as src/bindings.cpp
-  const py::dict& d;
-  py::object at(const char* k) const {
-    if (!d.contains(k)) throw std::invalid_argument(std::string("dsaquant kernel argument missing: ") + k);
-    return d[k];
+std::string g_error;   // the last error's message (dsq_error_string)
+
+template <class F>
+int guarded(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return 1;
   }
-  int64_t i64(const char* k) const { return at(k).cast<int64_t>(); }
-  double f64(const char* k) const { return at(k).cast<double>(); }
-  bool flag(const char* k) const { return at(k).cast<bool>(); }
-  void* ptr(const char* k) const { return reinterpret_cast<void*>(static_cast<uintptr_t>(at(k).cast<uint64_t>())); }
-};
+}
 
 template <int K, int D>
 void compress_grid_run(const dsqv4::CompressArgs& a) {
@@ -207,8 +206,7 @@ void compress_k(const dsqv4::CompressArgs& a) {
   else throw std::invalid_argument("D must be 128 or 512");
 }
 
-void compress_kv(const py::dict& d, uint64_t /*stream*/) {
-  const auto a = dsqv4::compress_args_from(DictSrc{d});
+void compress_kv(const dsqv4::CompressArgs& a) {
   if (a.T == 0 || a.B == 0) return;
   switch (a.K) {
     case 4: compress_k<4>(a); break;
@@ -221,27 +219,24 @@ void compress_kv(const py::dict& d, uint64_t /*stream*/) {
 
 // The distributed pool alone (v4_body.cuh pool_row: SPEC §7.6 step 2 over all D columns) for the boundaries
 // (i, p, b) given: returns their pooled rows [N, D] in fp32, before any rounding point.
+// bs: n boundaries (i, p, b) as int64 triples; out: n rows of D fp32 values.
 template <int K, int D>
-py::list pool_rows_run(const dsqv4::CompressArgs& a, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& bs) {
-  py::list out;
-  for (const auto& [i, p, b] : bs) {
+void pool_rows_run(const dsqv4::CompressArgs& a, const int64_t* bs, int64_t n, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t i = bs[3 * r], p = bs[3 * r + 1], b = bs[3 * r + 2];
     dsqv4::CompressSmem sm;
     emu::run_grid(1, [&](int64_t) {
       emu::run_block(0, [&] { dsqv4::pool_row<K, D>(a, sm, dsqv4::seq_of(a, b), i, p); });
     });
-    py::list row;
-    for (int c = 0; c < D; ++c) row.append(sm.y[c]);
-    out.append(row);
+    for (int c = 0; c < D; ++c) out[r * D + c] = sm.y[c];
   }
-  return out;
 }
 
-py::list pool_rows(const py::dict& d, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& bs) {
-  const auto a = dsqv4::compress_args_from(DictSrc{d});
-  auto by_d = [&](auto k) -> py::list {
+void pool_rows(const dsqv4::CompressArgs& a, const int64_t* bs, int64_t n, float* out) {
+  auto by_d = [&](auto k) {
     constexpr int K = decltype(k)::value;
-    if (a.D == 128) return pool_rows_run<K, 128>(a, bs);
-    if (a.D == 512) return pool_rows_run<K, 512>(a, bs);
+    if (a.D == 128) return pool_rows_run<K, 128>(a, bs, n, out);
+    if (a.D == 512) return pool_rows_run<K, 512>(a, bs, n, out);
     throw std::invalid_argument("D must be 128 or 512");
   };
   switch (a.K) {
@@ -256,14 +251,14 @@ py::list pool_rows(const py::dict& d, const std::vector<std::tuple<int64_t, int6
 // The warp primitives alone on rows of n = 32*V fp32 values (8 rows a block, one per warp): op 0 warp_sum (the
 // SPEC §0.2 canonical sum, returned in element 0 of each row), op 1 warp_hadamard (SPEC §5).
 template <int V>
-void warp_op_run(std::vector<float>& x, int op) {
-  const int64_t rows = static_cast<int64_t>(x.size()) / (32 * V);
+void warp_op_run(float* x, int64_t count, int op) {
+  const int64_t rows = count / (32 * V);
   emu::run_grid((rows + 7) / 8, [&](int64_t bid) {
     emu::run_block(bid, [&] {
       const int tid = dsqv4::thread_id(), lane = tid & 31;
       const int64_t r = bid * 8 + (tid >> 5);
       if (r >= rows) return;
-      float* row = x.data() + r * 32 * V + V * lane;
+      float* row = x + r * 32 * V + V * lane;
       float v[V];
       for (int e = 0; e < V; ++e) v[e] = row[e];
       if (op == 0) {
@@ -278,15 +273,14 @@ void warp_op_run(std::vector<float>& x, int op) {
   });
 }
 
-std::vector<float> warp_op(std::vector<float> x, int n, int op) {
+void warp_op(float* x, int64_t count, int n, int op) {
   switch (n) {
-    case 128: warp_op_run<4>(x, op); break;
-    case 256: warp_op_run<8>(x, op); break;
-    case 512: warp_op_run<16>(x, op); break;
-    case 1024: warp_op_run<32>(x, op); break;
+    case 128: warp_op_run<4>(x, count, op); break;
+    case 256: warp_op_run<8>(x, count, op); break;
+    case 512: warp_op_run<16>(x, count, op); break;
+    case 1024: warp_op_run<32>(x, count, op); break;
     default: throw std::invalid_argument("n must be 128, 256, 512 or 1024");
   }
-  return x;
 }
 
 template <int D>
@@ -296,8 +290,7 @@ void rotate_run(const dsqv4::RotateArgs& a) {
   });
 }
 
-void rope_rotate_quant(const py::dict& d, uint64_t /*stream*/) {
-  const auto a = dsqv4::rotate_args_from(DictSrc{d});
+void rope_rotate_quant(const dsqv4::RotateArgs& a) {
   if (a.T == 0 || a.H == 0) return;
   switch (a.D) {
     case 128: rotate_run<128>(a); break;
@@ -310,14 +303,24 @@ void rope_rotate_quant(const py::dict& d, uint64_t /*stream*/) {
 
 }  // namespace
 
-PYBIND11_MODULE(dsq_v4_host, m) {
-  m.doc() = "The DeepSeek-V4 kernel bodies (kernels/cuda/v4_body.cuh) on the CPU, one fiber per thread (tests only)";
-  m.def("compress_kv", &compress_kv, py::arg("args"), py::arg("stream"));
-  m.def("rope_rotate_quant", &rope_rotate_quant, py::arg("args"), py::arg("stream"));
-  m.def("pool_rows", &pool_rows, "pool_row alone for boundaries (i, p, b): fp32 [N][D]", py::arg("args"),
-        py::arg("boundaries"));
-  m.def("warp_op", &warp_op, "warp_sum (op 0) / warp_hadamard (op 1) on flat rows of n values", py::arg("x"),
-        py::arg("n"), py::arg("op"));
-  m.def("set_block_order", [](int order, uint64_t seed) { emu::g_order = order; emu::g_seed = seed; },
-        "0: blocks in order, 1: reversed, 2: shuffled (seeded)", py::arg("order"), py::arg("seed") = 0);
+extern "C" {
+
+int dsq_compress_kv(const DsqCompressArgs* a, void* /*stream*/) { return guarded([&] { compress_kv(*a); }); }
+int dsq_rope_rotate_quant(const DsqRotateArgs* a, void* /*stream*/) { return guarded([&] { rope_rotate_quant(*a); }); }
+const char* dsq_error_string(int code) { return code == 0 ? "no error" : g_error.c_str(); }
+
+// pool_row alone for the n boundaries bs[n][3] = (i, p, b): their fp32 rows out[n][D].
+DSQ_API int dsq_emu_pool_rows(const DsqCompressArgs* a, const int64_t* bs, int64_t n, float* out) {
+  return guarded([&] { pool_rows(*a, bs, n, out); });
 }
+// warp_sum (op 0, into element 0 of each row) / warp_hadamard (op 1) on x[count], rows of n values, in place.
+DSQ_API int dsq_emu_warp_op(float* x, int64_t count, int n, int op) {
+  return guarded([&] { warp_op(x, count, n, op); });
+}
+// The order of the blocks of a grid: 0 in order, 1 reversed, 2 shuffled (seeded).
+DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) {
+  emu::g_order = order;
+  emu::g_seed = seed;
+}
+
+}  // extern "C"

@@ -12,12 +12,15 @@ if not torch.cuda.is_available() or not dispatch.available("cuda")[0]:
 
 
 def test_hardware_converts_match_software_for_all_fp32():
-    from dsaquant import _cuda
+    from dsaquant.backends.abi import DsqSelfcheckArgs
+    from dsaquant.backends.compiled import library
+    lib = library("cuda")
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     chunk = 1 << 28
     for start in range(0, 1 << 32, chunk):
-        _cuda.fp8_selfcheck(start, chunk, out.data_ptr(), stream)
+        lib.launch("fp8_selfcheck", DsqSelfcheckArgs(device=out.device.index, start=start, count=chunk,
+                                                     out=out.data_ptr()), stream)
     mism = int(out.item())
     print(f"hardware vs software converts: {1 << 33} e4m3fn + {1 << 32} bf16 + {1 << 32} fp16 compared, "
           f"{mism} mismatches")

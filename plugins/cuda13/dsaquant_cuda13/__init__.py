@@ -1,3 +1,4 @@
-"""dsaquant's CUDA 13 backend plugin: the compiled module `_cuda` (sm_90a and sm_100a), which links the CUDA
-runtime statically and no libtorch, so one wheel serves every torch version. `import dsaquant` finds it."""
+"""dsaquant's CUDA 13 backend plugin: the compiled library `libdsaquant_cuda.so` (sm_90a and sm_100a), a plain
+shared library with a C interface that links the CUDA runtime statically and neither Python nor libtorch, so one
+wheel serves every CPython and torch version. `import dsaquant` finds it."""
 __version__ = "0.1.0"

@@ -14,9 +14,10 @@ import functools
 import torch
 
 from .. import errors
+from ..codes import DType, Layout, code_of
 
-LAYOUT = {"fp8_132": 0, "packed68": 1, "aiter_fp4": 2}
-DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4}
+DTYPE = {torch.float32: int(DType.f32), torch.bfloat16: int(DType.bf16), torch.float16: int(DType.f16),
+         torch.int32: int(DType.i32), torch.int64: int(DType.i64)}
 ERR_NOT_SUPPORTED = 801   # cudaErrorNotSupported
 
 
@@ -89,7 +90,7 @@ def make_paged_mqa_logits(lib, splits: int = 0):
             a.w_row, a.w_head = w.stride(0), w.stride(1)
             a.ctx_b, a.ctx_n = ctx.stride(0), (ctx.stride(1) if ctx.dim() == 2 else 0)
             a.bt_b, a.bt_k = bt.stride(0), bt.stride(1)
-            a.layout, a.preshuffle = LAYOUT[layout], bool(preshuffle)
+            a.layout, a.preshuffle = code_of(Layout, layout), bool(preshuffle)
             a.w_dtype, a.ctx_dtype, a.bt_dtype = DTYPE[w.dtype], DTYPE[ctx.dtype], DTYPE[bt.dtype]
             a.out_dtype, a.clean_logits = DTYPE[out.dtype], bool(clean_logits)
             a.device = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -9,9 +9,12 @@ import ctypes
 
 import torch
 
+from ..codes import DType
+
 from ..reference.topk import DECODE_1D, DECODE_2D, PREFILL, span_form  # noqa: F401  (DSQ_TOPK_* values)
 
-DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3, torch.int64: 4}  # row16.cuh DType
+DTYPE = {torch.float32: int(DType.f32), torch.bfloat16: int(DType.bf16), torch.float16: int(DType.f16),
+         torch.int32: int(DType.i32), torch.int64: int(DType.i64)}
 MAX_SORT = 4096   # DSQ_TOPK_MAX_SORT
 MAX_CHUNKS = 8    # kMaxChunks of kernels/cuda/topk.cu
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..codes import ROUNDINGS as POLICIES, SCALE_RULES  # noqa: F401  (the option strings, in code order)
 from .arith import F32, INV6, bits, canon_nan, cast, ceil_exp, div, f32_from_bits, nan_amax, pow2
-
-POLICIES = ("threshold", "rne", "hardware")
-SCALE_RULES = ("pack", "recip")
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes, and whether a tie at that midpoint goes up

@@ -38,18 +38,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import errors
+from .. import codes, errors
+from ..codes import QuantMode, Rounding, ScaleRule, code_of
 from . import formats as F
 from .formats import (KIND_BF16, KIND_F32, amax_tile, as_bits, canon_nan, cast_for_store, exp_ds,
                       fake_quant_ue8m0_tile, fake_quant_values, fp4_quant_tile, fp8_group_quant, hadamard_row,
                       load_f32, pow2, pow2_inv, rms_norm_row, rope_tail_row, round_bf16, ue8m0_pack)
-from .quant import POLICY_IDS, as_f32, as_u8, launch_from_env, launch_modes, tensor_kind
+from .quant import as_f32, as_u8, launch_from_env, launch_modes, tensor_kind
 
 SLOT_ERR: tl.constexpr = tl.constexpr(errors.SLOT_OUT_OF_RANGE)
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 
-MODE_IDS = {"none": 0, "fp4": 1, "fp4_sim": 2, "fp8": 3}
+QUANT_NONE: tl.constexpr = tl.constexpr(int(codes.QuantMode.none))
+QUANT_FP4: tl.constexpr = tl.constexpr(int(codes.QuantMode.fp4))
+QUANT_FP4_SIM: tl.constexpr = tl.constexpr(int(codes.QuantMode.fp4_sim))
 POINT_BITS = {"pool": 1, "norm": 2, "rope": 4, "hadamard": 8}
 
 # window rows K -> (boundaries per step, pool columns per chunk, warps); tokens per program = boundaries x ratio.
@@ -273,18 +276,18 @@ def _compress_rows(i, pb, spb, rslot, act, kv_ptr, s_kv, sc_ptr, s_sc, ape_ptr, 
     st = act & (slot >= 0) & (slot < capacity)
     n = slot // P
     o = slot % P
-    if MODE == 0 or MODE == 2:
+    if MODE == QUANT_NONE or MODE == QUANT_FP4_SIM:
         # "none": bf16(y); "fp4_sim": §7.2 stage 1 with scale_rule, as bf16 (bf16 caches go as int16 views)
-        if MODE == 2:
+        if MODE == QUANT_FP4_SIM:
             x4 = tl.reshape(y, (ROWS * 4, 32))
-            if RULE == 0:
+            if RULE == F.RULE_RECIP:
                 v = fake_quant_ue8m0_tile(x4, NATIVE)
             else:
                 e = ue8m0_pack(amax_tile(x4, NATIVE))[:, None]
                 v = fake_quant_values(x4 * pow2_inv(e), pow2(e))
             y = tl.reshape(v, (ROWS, D))
         tl.store(cache_ptr + (slot[:, None] * D + dd[None, :]), cast_for_store(y, KIND_BF16), mask=st[:, None])
-    elif MODE == 1:
+    elif MODE == QUANT_FP4:
         q, e = fp4_quant_tile(tl.reshape(y, (ROWS * 4, 32)), RULE, POLICY, ROWS * 4, NATIVE)   # [4R, 16], [4R]
         blk = tl.arange(0, ROWS * 4) % 4
         n4 = tl.reshape(tl.broadcast_to(n[:, None], (ROWS, 4)), (ROWS * 4,))
@@ -447,9 +450,9 @@ def prepare_compress(kv, score, ape, state_kv, state_score, state_slot, cu_seqle
              cache.shape[0] * page_size, page_size, errors.flag_tensor(kv.device), points, int(bool(hadamard_on)),
              int(scale_fmt == "ue8m0"), int(bool(preshuffle))]
     consts = dict(KIND=kind, NW_KIND=nw_kind, CS_KIND=cs_kind, FREQS=freqs is not None, D=D, RATIO=ratio,
-                  OVERLAP=bool(overlap), K=K, ROWS=rows, TB=tb, CW=cw, MODE=MODE_IDS[quant_mode],
-                  AITER=(quant_mode == "fp4" and layout == "aiter_fp4"), RULE=0 if scale_rule == "recip" else 1,
-                  POLICY=POLICY_IDS[rounding], BIAS=bias, FMAX=fmax, FNUZ=(flavour == "e4m3fnuz"),
+                  OVERLAP=bool(overlap), K=K, ROWS=rows, TB=tb, CW=cw, MODE=code_of(QuantMode, quant_mode),
+                  AITER=(quant_mode == "fp4" and layout == "aiter_fp4"), RULE=code_of(ScaleRule, scale_rule),
+                  POLICY=code_of(Rounding, rounding), BIAS=bias, FMAX=fmax, FNUZ=(flavour == "e4m3fnuz"),
                   HW_FP8=md["HW_FP8"] and fp8, NATIVE=nat)
     return _compress_kernel, (triton.cdiv(T, tb),), args, consts, warps
 

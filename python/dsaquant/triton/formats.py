@@ -33,16 +33,25 @@ import struct
 import triton
 import triton.language as tl
 
+from .. import codes
+
 
 def _f32(b: int) -> float:
     """The fp32 with bit pattern b, as an exact Python float."""
     return struct.unpack("<f", struct.pack("<I", b))[0]
 
 
-# Dtype kinds of tensors the kernels read or write (bf16 tensors are passed as int16 views).
-KIND_F32: tl.constexpr = tl.constexpr(0)
-KIND_BF16: tl.constexpr = tl.constexpr(1)
-KIND_F16: tl.constexpr = tl.constexpr(2)
+# dsaquant.codes as Triton constexprs: the kernels compare their constexpr parameters with these.
+# Dtype kinds of tensors the kernels read or write (codes.DType; bf16 tensors are passed as int16 views).
+KIND_F32: tl.constexpr = tl.constexpr(int(codes.DType.f32))
+KIND_BF16: tl.constexpr = tl.constexpr(int(codes.DType.bf16))
+KIND_F16: tl.constexpr = tl.constexpr(int(codes.DType.f16))
+# POLICY parameters (codes.Rounding), RULE parameters (codes.ScaleRule).
+ROUND_THRESHOLD: tl.constexpr = tl.constexpr(int(codes.Rounding.threshold))
+ROUND_RNE: tl.constexpr = tl.constexpr(int(codes.Rounding.rne))
+ROUND_HARDWARE: tl.constexpr = tl.constexpr(int(codes.Rounding.hardware))
+RULE_PACK: tl.constexpr = tl.constexpr(int(codes.ScaleRule.pack))
+RULE_RECIP: tl.constexpr = tl.constexpr(int(codes.ScaleRule.recip))
 
 # SPEC constants, exact fp32 values.
 INV6: tl.constexpr = tl.constexpr(_f32(0x3E2AAAAB))            # fl(1/6), §3 rule recip
@@ -354,7 +363,7 @@ def hadamard4(t0, t1, t2, t3, R: tl.constexpr):
 @triton.jit
 def e2m1_index_core(a, POLICY: tl.constexpr):
     """Index 0..7 of |v| = a (fp32 >= 0, not NaN: a NaN gives an unspecified value) on the E2M1 grid
-    [0, .5, 1, 1.5, 2, 3, 4, 6]; int32. POLICY 0 (threshold): ties toward zero; 1 (rne) / 2 (hardware):
+    [0, .5, 1, 1.5, 2, 3, 4, 6]; int32. POLICY threshold: ties toward zero; rne / hardware:
     ties to even. a > 5 (incl. Inf) gives 7.
 
     a >= 1 is E2M1's normal range (1 mantissa bit): the mantissa is rounded on the fp32 bits (adding
@@ -364,7 +373,7 @@ def e2m1_index_core(a, POLICY: tl.constexpr):
     threshold does the same and takes back the one tie that went up (0.75 -> 1.0). Values are clamped to 6 first (6 -> 7)."""
     c = tl.minimum(a, 6.0)
     b = as_bits(c)
-    if POLICY == 0:
+    if POLICY == ROUND_THRESHOLD:
         # below 1: the rne index, minus one at the only tie rne sends up (0.75). Not the shorter
         # (c > 0.25) + (c > 0.75): LLVM narrows that to 16-bit vector code, and with Triton 3.6 on
         # sm_90 the FP4 indexer's first q tile then got wrong codes.
@@ -384,10 +393,10 @@ def e2m1_magnitude_index(a, POLICY: tl.constexpr):
 
 @triton.jit
 def e2m1_encode(v, POLICY: tl.constexpr):
-    """SPEC §2: scaled fp32 v -> 4-bit code (int32). POLICY 0 threshold, 1 rne, 2 hardware (raw: a NaN
+    """SPEC §2: scaled fp32 v -> 4-bit code (int32). POLICY a codes.Rounding (raw: a NaN
     keeps its sign under hardware, as the reference's e2m1_encode)."""
     m = e2m1_magnitude_index(tl.abs(v), POLICY)
-    if POLICY == 2:
+    if POLICY == ROUND_HARDWARE:
         sign = (as_bits(v) >> 28) & 8
     else:
         sign = ((v < 0) & (m != 0)).to(tl.int32) << 3
@@ -430,15 +439,15 @@ def pack_nibbles_tile(codes, R: tl.constexpr):
 # where m != 0 (m + 7 has bit 3 set) and e != 255 (s + 0x80 carries into bit 15 exactly for s = +Inf).
 # bf16x2 operands take no immediates: constants go through mov.b32 (ptxas keeps them in registers).
 def e2m1_bf16x2_ptx(policy: int) -> str:
-    """The PTX of e2m1_code_bf16x2 for POLICY `policy` (0 threshold, 1 rne, 2 hardware): $2 = two bf16 values
+    """The PTX of e2m1_code_bf16x2 for POLICY `policy` (a codes.Rounding): $2 = two bf16 values
     (a bf16x2 register), $3 = their scales (bf16_inv_pow2_bits, int16 x2); $0, $1 = the codes of the low and
     the high value (32-bit registers)."""
-    k = 0x3F7F3F7F if policy == 0 else 0x3F803F80
-    sign_rt = "" if policy == 2 else """add.u32 dqt, $3, 0x00800080;
+    k = 0x3F7F3F7F if policy == codes.Rounding.threshold else 0x3F803F80
+    sign_rt = "" if policy == codes.Rounding.hardware else """add.u32 dqt, $3, 0x00800080;
 not.b32 dqt, dqt;
 and.b32 dqs, dqs, dqt;
 """
-    code_rt = "" if policy == 2 else """add.u32 dqt, dqr, 0x00070007;
+    code_rt = "" if policy == codes.Rounding.hardware else """add.u32 dqt, dqr, 0x00070007;
 and.b32 dqs, dqs, dqt;
 """
     return f"""{{
@@ -472,9 +481,9 @@ shr.b32 $1, dqr, 16;
 }}"""
 
 
-E2M1_BF16X2_PTX_THRESHOLD: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(0))
-E2M1_BF16X2_PTX_RNE: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(1))
-E2M1_BF16X2_PTX_HARDWARE: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(2))
+E2M1_BF16X2_PTX_THRESHOLD: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(codes.Rounding.threshold))
+E2M1_BF16X2_PTX_RNE: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(codes.Rounding.rne))
+E2M1_BF16X2_PTX_HARDWARE: tl.constexpr = tl.constexpr(e2m1_bf16x2_ptx(codes.Rounding.hardware))
 
 
 @triton.jit
@@ -493,10 +502,10 @@ def e2m1_code_bf16x2(x, s, POLICY: tl.constexpr):
     the NaN-scale codes for e = 255. Two values per instruction (inline PTX, pack=2: each asm instance gets two
     elements of x, in one register, with the same two elements of s, and returns the code of the first in $0
     and of the second in $1). NVIDIA sm_80+ only (fma/min/max.bf16x2)."""
-    if POLICY == 0:
+    if POLICY == ROUND_THRESHOLD:
         c = tl.inline_asm_elementwise(E2M1_BF16X2_PTX_THRESHOLD, "=r,=r,r,r", [x, s], dtype=tl.int32, is_pure=True,
                                       pack=2)
-    elif POLICY == 1:
+    elif POLICY == ROUND_RNE:
         c = tl.inline_asm_elementwise(E2M1_BF16X2_PTX_RNE, "=r,=r,r,r", [x, s], dtype=tl.int32, is_pure=True,
                                       pack=2)
     else:
@@ -525,7 +534,7 @@ def fp4_encode_tile(x, e, POLICY: tl.constexpr, PACKED: tl.constexpr = False):
         v = x * pow2_inv(ee)
         nan = x != x
         m = tl.where(nan | (ee == 255), 7, e2m1_index_core(tl.abs(v), POLICY))
-        if POLICY == 2:
+        if POLICY == ROUND_HARDWARE:
             sign = tl.where(nan, 0, (as_bits(x) >> 28) & 8)
         else:
             sign = ((v < 0) & (m != 0)).to(tl.int32) << 3
@@ -536,11 +545,11 @@ def fp4_encode_tile(x, e, POLICY: tl.constexpr, PACKED: tl.constexpr = False):
 def fp4_quant_tile(x, RULE: tl.constexpr, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.constexpr,
                    PACKED: tl.constexpr = False):
     """reference fp4_quantize of one block-of-32 tile: x [R, 32] fp32 -> (packed uint8 [R, 16],
-    exponent int32 [R]). RULE 0 = recip, 1 = pack. Any NaN in x (whatever its bits) is treated as the
-    reference's canonical NaN: ignored by amax, code 0x7. PACKED: see fp4_encode_tile (x must hold exact
+    exponent int32 [R]). RULE: a codes.ScaleRule (RULE_RECIP, RULE_PACK). Any NaN in x (whatever its bits) is
+    treated as the reference's canonical NaN: ignored by amax, code 0x7. PACKED: see fp4_encode_tile (x must hold exact
     bf16 values; NVIDIA sm_80+)."""
     amax = amax_tile(x, NATIVE)
-    if RULE == 0:
+    if RULE == RULE_RECIP:
         e = ue8m0_recip(amax)
     else:
         e = ue8m0_pack(amax)

@@ -31,12 +31,12 @@ import triton
 import triton.language as tl
 
 from .. import errors
+from ..codes import Rounding, code_of
 from . import formats as F
-from .formats import (KIND_BF16, KIND_F16, KIND_F32, amax_tile, canon_nan, canonical_sum4, cast_for_store,
-                      fake_quant_e4m3_tile, fake_quant_ue8m0_tile, fp4_quant_tile, fp8_encode_scaled, hadamard4,
-                      load_f32, pow2, rms_inv, rope_interleaved_tile, rope_pair, round_bf16, round_to)
+from .formats import (KIND_BF16, KIND_F16, KIND_F32, RULE_PACK, RULE_RECIP, amax_tile, canon_nan, canonical_sum4,
+                      cast_for_store, fake_quant_e4m3_tile, fake_quant_ue8m0_tile, fp4_quant_tile, fp8_encode_scaled,
+                      hadamard4, load_f32, pow2, rms_inv, rope_interleaved_tile, rope_pair, round_bf16, round_to)
 
-POLICY_IDS = {"threshold": 0, "rne": 1, "hardware": 2}
 SLOT_ERR: tl.constexpr = tl.constexpr(errors.SLOT_OUT_OF_RANGE)
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
 
@@ -230,7 +230,7 @@ def _sglang_two_stage(t, POLICY: tl.constexpr, R: tl.constexpr, NATIVE: tl.const
     """SPEC §7.2 stage 1 (recip fake-quant, bf16) then stage 2 (rule pack) on one block-of-32 tile. The staged
     values are bf16 values whatever the input dtype, so stage 2 may take the packed bf16x2 encoder."""
     staged = round_bf16(fake_quant_ue8m0_tile(t, NATIVE), NATIVE)
-    return fp4_quant_tile(staged, 1, POLICY, R, NATIVE, PACKED_FP4)
+    return fp4_quant_tile(staged, RULE_PACK, POLICY, R, NATIVE, PACKED_FP4)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,10 +273,10 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
     wo_off = t * swo_t + h * swo_h
     if FP4:
         # PACKED_FP4 (bf16 q only): t0..t3 hold bf16 values (t0, t1 rounded above, t2, t3 loaded)
-        q0, e0 = fp4_quant_tile(t0, 0, POLICY, R, NATIVE, PACKED_FP4)
-        q1, e1 = fp4_quant_tile(t1, 0, POLICY, R, NATIVE, PACKED_FP4)
-        q2, e2 = fp4_quant_tile(t2, 0, POLICY, R, NATIVE, PACKED_FP4)
-        q3, e3 = fp4_quant_tile(t3, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q0, e0 = fp4_quant_tile(t0, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
+        q1, e1 = fp4_quant_tile(t1, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
+        q2, e2 = fp4_quant_tile(t2, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
+        q3, e3 = fp4_quant_tile(t3, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
         _store_bytes16(qo_ptr, r * 64, q0, act)
         _store_bytes16(qo_ptr, r * 64 + 16, q1, act)
         _store_bytes16(qo_ptr, r * 64 + 32, q2, act)
@@ -349,10 +349,10 @@ def _indexer_k_rows(pid, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr
     o = slot % P
     if FP4:
         # PACKED_FP4 (bf16 k only): y0..y3 are rounded to bf16 above
-        q0, e0 = fp4_quant_tile(y0, 0, POLICY, R, NATIVE, PACKED_FP4)
-        q1, e1 = fp4_quant_tile(y1, 0, POLICY, R, NATIVE, PACKED_FP4)
-        q2, e2 = fp4_quant_tile(y2, 0, POLICY, R, NATIVE, PACKED_FP4)
-        q3, e3 = fp4_quant_tile(y3, 0, POLICY, R, NATIVE, PACKED_FP4)
+        q0, e0 = fp4_quant_tile(y0, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
+        q1, e1 = fp4_quant_tile(y1, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
+        q2, e2 = fp4_quant_tile(y2, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
+        q3, e3 = fp4_quant_tile(y3, RULE_RECIP, POLICY, R, NATIVE, PACKED_FP4)
         _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, q0, q1, q2, q3, e0, e1, e2, e3, act)
     else:
         c0, c1, c2, c3, s = _fp8_row(y0, y1, y2, y3, False, ue8m0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
@@ -531,10 +531,10 @@ def _v4_k_kernel(kv_ptr, skv_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, cos_ptr, sin_
     y2, y3 = _rope_tail_tables(y2, y3, cos_ptr, sin_ptr, s_cos, s_sin, p, act, CS_KIND, R, NATIVE)
     if hadamard != 0:
         y0, y1, y2, y3 = hadamard4(y0, y1, y2, y3, R)
-    q0, e0 = fp4_quant_tile(y0, 0, POLICY, R, NATIVE)
-    q1, e1 = fp4_quant_tile(y1, 0, POLICY, R, NATIVE)
-    q2, e2 = fp4_quant_tile(y2, 0, POLICY, R, NATIVE)
-    q3, e3 = fp4_quant_tile(y3, 0, POLICY, R, NATIVE)
+    q0, e0 = fp4_quant_tile(y0, RULE_RECIP, POLICY, R, NATIVE)
+    q1, e1 = fp4_quant_tile(y1, RULE_RECIP, POLICY, R, NATIVE)
+    q2, e2 = fp4_quant_tile(y2, RULE_RECIP, POLICY, R, NATIVE)
+    q3, e3 = fp4_quant_tile(y3, RULE_RECIP, POLICY, R, NATIVE)
     # dense: payload at slot*64 (+16k), exponents at slot*4 (+g); otherwise the aiter_fp4 layout (P = 1 when
     # dense, so the shared offsets below stay in range either way)
     n = slot // P
@@ -652,7 +652,7 @@ def prepare_indexer(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, n
             errors.flag_tensor(q.device), int(scale_fmt == "ue8m0" or fp4), int(bool(preshuffle)),
             int(bool(compute_all_q_rope))]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, WO_KIND=wo_kind, CS_KIND=cs_kind, NW_KIND=nw_kind, NB_KIND=nb_kind,
-                  FP4=fp4, POLICY=POLICY_IDS[rounding], BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
+                  FP4=fp4, POLICY=code_of(Rounding, rounding), BIAS=bias, FMAX=fmax, INV_FMAX=inv_fmax,
                   FNUZ=(flavour == "e4m3fnuz"), NEOX=bool(is_neox), BLOCK_Q=bq, BLOCK_K=bk,
                   H=H, ROWS32=(n_q + n_k) * bq < 2 ** 31,
                   **dict(md, PACKED_FP4=bool(md["PACKED_FP4"]) and fp4 and q.dtype == k.dtype == torch.bfloat16))
@@ -682,7 +682,7 @@ def prepare_k_store(k, norm_weight, eps, positions, freqs, slots, cache, compres
     args = [kv, k.stride(0), nwv, norm_weight.stride(0), as_f32(eps), positions, positions.stride(0), freqs,
             freqs.stride(0), freqs.shape[0], slots, slots.stride(0), as_u8(cache), T, cache.shape[0] * page_size,
             page_size, errors.flag_tensor(k.device), int(compress_ratio)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat,
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, POLICY=code_of(Rounding, rounding), BLOCK=block, NATIVE=nat,
                   PACKED_FP4=md["PACKED_FP4"])
     return _k_store_v41_kernel, (triton.cdiv(T, block),), args, consts, warps
 
@@ -706,7 +706,7 @@ def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, pa
     args = [qv, q.stride(0), q.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
             wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, exps_out,
             weights_out, T, H, errors.flag_tensor(q.device)]
-    consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=POLICY_IDS[rounding], BLOCK=block, NATIVE=nat,
+    consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=code_of(Rounding, rounding), BLOCK=block, NATIVE=nat,
                   PACKED_FP4=md["PACKED_FP4"])
     return _q_pack_v41_kernel, (triton.cdiv(T * H, block),), args, consts, warps
 
@@ -759,8 +759,8 @@ def prepare_v4_k(kv, norm_weight, epsilon, positions, cos_cache, sin_cache, slot
             cos_cache.stride(0), sin_cache.stride(0), cos_cache.shape[0], slot_mapping, slot_mapping.stride(0),
             as_u8(kv_cache), as_u8(kv_cache_scale), T, capacity, page_size, errors.flag_tensor(kv.device),
             int(bool(hadamard_on)), int(dense)]
-    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, POLICY=POLICY_IDS[rounding], BLOCK=block,
-                  NATIVE=nat)
+    consts = dict(X_KIND=x_kind, NW_KIND=nw_kind, CS_KIND=cs_kind, POLICY=code_of(Rounding, rounding),
+                  BLOCK=block, NATIVE=nat)
     return _v4_k_kernel, (triton.cdiv(T, block),), args, consts, warps
 
 

@@ -26,15 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import errors
+from .. import codes, errors
+from ..codes import Rounding, code_of
 from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
 from . import formats as F
 from .formats import (amax_tile, cast_for_store, fp4_encode_tile, fp8_group_quant, hadamard_row, load_f32,
                       pack_nibbles_row, rope_tail_row, ue8m0_recip)
-from .quant import POLICY_IDS, as_u8, launch_from_env, launch_modes, tensor_kind
+from .quant import as_u8, launch_from_env, launch_modes, tensor_kind
 
 POS_ERR: tl.constexpr = tl.constexpr(errors.POSITION_OUT_OF_RANGE)
-OUT_FP4, OUT_FP8, OUT_HALF = 0, 1, 2
+OUT_FP4: tl.constexpr = tl.constexpr(int(codes.OutKind.fp4))
+OUT_FP8: tl.constexpr = tl.constexpr(int(codes.OutKind.fp8))
+OUT_HALF: tl.constexpr = tl.constexpr(int(codes.OutKind.half))
 
 LAUNCH = {"rope_rotate": (4096, 4)}
 
@@ -68,7 +71,7 @@ def _rope_rotate_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, cos_ptr, sin_ptr, s_c
     if HADAMARD:
         y = hadamard_row(y, ROWS, D, HSCALE)
     gg = tl.arange(0, NG)[None, :]
-    if OUT == 0:
+    if OUT == OUT_FP4:
         xg = tl.reshape(y, (ROWS * NG, G))
         e = ue8m0_recip(amax_tile(xg, NATIVE))                              # [ROWS*NG]
         codes = tl.reshape(fp4_encode_tile(xg, e, POLICY), (ROWS, D))
@@ -87,7 +90,7 @@ def _rope_rotate_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, cos_ptr, sin_ptr, s_c
             tl.store(scale_ptr + poff, tl.zeros((ROWS, NG, 4), tl.uint8), mask=padm)
         else:
             tl.store(scale_ptr + ((r * NG)[:, None] + gg), e2, mask=am)
-    elif OUT == 1:
+    elif OUT == OUT_FP8:
         codes, sc = fp8_group_quant(tl.reshape(y, (ROWS * NG, G)), F.ONE_EM10, 0, BIAS, FMAX, FNUZ, HW_FP8, NATIVE)
         tl.store(out_ptr + ((r * D)[:, None] + d), tl.reshape(codes, (ROWS, D)).to(tl.uint8), mask=am)
         tl.store(scale_ptr + ((r * NG)[:, None] + gg), tl.reshape(sc, (ROWS, NG)), mask=am)
@@ -137,7 +140,7 @@ def prepare_rope_rotate(out, x, cos_cache, sin_cache, positions, rope_dim, out_s
             sin_cache.stride(0), cos_cache.shape[0], ov, *so, sc, T, H, qs_pad, errors.flag_tensor(x.device)]
     consts = dict(X_KIND=x_kind, CS_KIND=cs_kind, D=D, OUT=kind_out, G=g,
                   SHUFFLE=bool(shuffle_scale) and kind_out == OUT_FP4, HADAMARD=bool(hadamard_on),
-                  HSCALE=_hadamard_scale(D), POLICY=POLICY_IDS[rounding], BIAS=bias, FMAX=fmax,
+                  HSCALE=_hadamard_scale(D), POLICY=code_of(Rounding, rounding), BIAS=bias, FMAX=fmax,
                   FNUZ=(flavour == "e4m3fnuz"), HW_FP8=md["HW_FP8"] and kind_out == OUT_FP8, ROWS=rows, NATIVE=nat)
     return _rope_rotate_kernel, (triton.cdiv(T * H, rows),), args, consts, warps
 

@@ -50,9 +50,13 @@ import triton
 import triton.language as tl
 
 from .. import errors
+from .. import codes
+from ..codes import Layout, code_of
 from ..reference.layouts import aiter_q_scale_pad
 
-LAYOUT_IDS = {"fp8_132": 0, "packed68": 1, "aiter_fp4": 2}
+LAYOUT_FP8_132: tl.constexpr = tl.constexpr(int(codes.Layout.fp8_132))
+LAYOUT_PACKED68: tl.constexpr = tl.constexpr(int(codes.Layout.packed68))
+ERR_PAGE: tl.constexpr = tl.constexpr(int(codes.ErrFlag.page_out_of_range))
 TOL_EXACT_PRODUCTS = 3e-5   # relative to `mag` (see module docstring): bf16 / fp32 dot paths
 TOL_NATIVE_FP8 = 1e-3       # relative to `mag`: native fp8 tensor-core dot
 BLOCK_KV_DEFAULT = 64
@@ -146,7 +150,7 @@ def _paged_mqa_logits_kernel(
     ctx_col = tl.load(ctx_ptr + b64 * stride_cb + n_of_r * stride_cn, mask=r_ok, other=0)
     ctx_max = tl.minimum(tl.max(ctx_col, axis=0).to(tl.int32), max_seq_len)
 
-    if LAYOUT == 0:
+    if LAYOUT == LAYOUT_FP8_132:
         d = tl.arange(0, 128)
         qc = tl.load(q_ptr + row[:, None] * 128 + d[None, :], mask=r_ok[:, None], other=0)
         if FP8_NATIVE:
@@ -160,7 +164,7 @@ def _paged_mqa_logits_kernel(
     else:
         col = tl.arange(0, 64)
         qp = tl.load(q_ptr + row[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
-        if LAYOUT == 1:   # the 4 exponent bytes of row (b, n, h) as one int32 (qs_ptr: *i32)
+        if LAYOUT == LAYOUT_PACKED68:   # the 4 exponent bytes of row (b, n, h) as one int32 (qs_ptr: *i32)
             qword = tl.load(qs_ptr + row, mask=r_ok, other=0)
         else:             # aiter q_scale [B*N, 1, 4, 16, QS_PAD]: [t, 0, j, h % 16, h // 16]
             qe_base = (b64 * N + n_of_r) * (64 * QS_PAD) + (h_of_r % 16) * QS_PAD + h_of_r // 16
@@ -228,12 +232,12 @@ def _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride
                    other=-1).to(tl.int64)
     found = (page >= 0) & (page < num_pages)                           # else: not read, -inf, flagged
     if tl.max(tl.where(in_ctx & (page < 0) | in_ctx & (page >= num_pages), 1, 0), axis=0) > 0:
-        tl.atomic_or(err_ptr, 4)                                       # errors.PAGE_OUT_OF_RANGE
+        tl.atomic_or(err_ptr, ERR_PAGE)
     p_ok = in_ctx & found
     page = tl.where(found, page, 0)
     o = p % PAGE
 
-    if LAYOUT == 0:
+    if LAYOUT == LAYOUT_FP8_132:
         d = tl.arange(0, 128)
         if PRESHUFFLE:
             off = page[:, None] * (PAGE * 132) + ((o // 16) * 2048 + (o % 16) * 16)[:, None] \
@@ -257,7 +261,7 @@ def _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride
         acc = acc * k_scale[:, None]
     else:
         col = tl.arange(0, 64)
-        if LAYOUT == 1:   # packed68: payload at 64*o + byte, exponents at 64*P + 4*o (kvf_ptr: *i32 view)
+        if LAYOUT == LAYOUT_PACKED68:   # packed68: payload at 64*o + byte, exponents at 64*P + 4*o (kvf_ptr: *i32 view)
             off = page[:, None] * (PAGE * 68) + (o * 64)[:, None] + col[None, :]
             kp = tl.load(kv_ptr + off, mask=p_ok[:, None], other=0)
             kword = tl.load(kvf_ptr + page * (PAGE * 17) + 16 * PAGE + o, mask=p_ok, other=0)
@@ -338,8 +342,8 @@ def kernel_constexprs(layout: str, N: int, H: int, page_size: int, *, preshuffle
                       dot_f32: bool = False, imprecise: int | None = None, static_tiles: int = 0,
                       clean: bool = True, out_bf16: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (shared by the launcher and AOT tests)."""
-    if layout not in LAYOUT_IDS:
-        raise ValueError(f"layout: expected one of {tuple(LAYOUT_IDS)}, got {layout!r}")
+    if layout not in codes.LAYOUTS:
+        raise ValueError(f"layout: expected one of {codes.LAYOUTS}, got {layout!r}")
     if N < 1 or H < 1:
         raise ValueError(f"q: expected next_n >= 1 and H >= 1, got next_n = {N}, H = {H}")
     if block_kv < 16 or block_kv & (block_kv - 1):
@@ -349,7 +353,8 @@ def kernel_constexprs(layout: str, N: int, H: int, page_size: int, *, preshuffle
     fp8 = layout == "fp8_132"
     NG = queries_per_program(N, H)
     return dict(N=N, NG=NG, H=H, NHP=max(16, _next_pow2(NG * H)), PAGE=page_size, BLOCK_KV=block_kv,
-                LAYOUT=LAYOUT_IDS[layout], PRESHUFFLE=bool(preshuffle and fp8), FP8_NATIVE=bool(fp8_native and fp8),
+                LAYOUT=code_of(Layout, layout), PRESHUFFLE=bool(preshuffle and fp8),
+                FP8_NATIVE=bool(fp8_native and fp8),
                 FNUZ=bool(fnuz and fp8), QS_PAD=aiter_q_scale_pad(H) if layout == "aiter_fp4" else 1,
                 DOT_F32=bool(dot_f32), IMPRECISE=32 if imprecise is None else int(imprecise),
                 STATIC_TILES=int(static_tiles), CLEAN=bool(clean), OUT_BF16=bool(out_bf16))

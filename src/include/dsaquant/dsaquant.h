@@ -2,6 +2,7 @@
 // host C++17, CUDA (nvcc) and HIP (clang). See docs/shared_header.md.
 #pragma once
 
+#include "codes.h"     // the integer codes shared with Python (Rounding, ScaleRule, Fp8Flavour, DType, ...)
 #include "platform.h"  // DSQ_HD, bit casts, fadd/fsub/fmul/fdiv/fsqrt, rint, fmaxf (§0.1, §0.3)
 #include "arith.h"     // pow2, ceil_exp, nan_amax, bf16/fp16, canonical sum, exp_ds (§0)
 #include "e2m1.h"      // FP4 codes, policies, packing, block encoder, stage-1 value (§1, §2, §3, §7.2)

@@ -3,11 +3,11 @@
 #pragma once
 
 #include "arith.h"
+#include "codes.h"
 
 namespace dsq {
 
-// SPEC §2 policies. Values match the Python side's order POLICIES = (threshold, rne, hardware).
-enum class Rounding : int { threshold = 0, rne = 1, hardware = 2 };
+// Rounding (SPEC §2 policies) is defined in codes.h.
 
 // SPEC §2: already-scaled fp32 v -> 4-bit code (bit 3 sign, bits 0..2 magnitude index m), the
 // bit-exact emulation used on every target.

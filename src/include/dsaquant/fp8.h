@@ -2,6 +2,7 @@
 #pragma once
 
 #include "arith.h"
+#include "codes.h"
 
 #if defined(__CUDACC__) && !defined(__HIP__)
 #include <cuda_fp8.h>
@@ -9,10 +10,9 @@
 
 namespace dsq {
 
-// Values match the Python side's FLAVOURS order (e4m3fn, e4m3fnuz).
+// Fp8Flavour is defined in codes.h:
 //   e4m3fn:   bias 7, max 448, NaN 0x7F/0xFF, has -0 (0x80)  (NVIDIA, gfx950)
 //   e4m3fnuz: bias 8, max 240, NaN 0x80, no -0               (gfx942)
-enum class Fp8Flavour : int { e4m3fn = 0, e4m3fnuz = 1 };
 enum class Fp8Role : int { q = 0, k = 1 };
 
 DSQ_HD int fp8_bias(Fp8Flavour f) { return f == Fp8Flavour::e4m3fn ? 7 : 8; }

@@ -2,11 +2,11 @@
 #pragma once
 
 #include "arith.h"
+#include "codes.h"
 
 namespace dsq {
 
-// Values match the Python side's order SCALE_RULES = (pack, recip).
-enum class ScaleRule : int { pack = 0, recip = 1 };
+// ScaleRule (pack, recip) is defined in codes.h.
 
 // SPEC §3: block amax (>= 0, from nan_amax) -> biased exponent e of the block scale 2^(e-127).
 //  pack:  ceil_exp(max(amax / 6.0f, 1e-4f)) clamped to [1, 254]    (compat: sglang-v41 stage 2)
