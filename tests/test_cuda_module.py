@@ -19,7 +19,9 @@ from dsaquant.backends.compiled import find_library
 LIB = find_library("libdsaquant_cuda.so", "dsaquant_cuda13")
 pytestmark = pytest.mark.skipif(LIB is None, reason="libdsaquant_cuda.so was not built here (no nvcc at install time)")
 EXPORTS = {"dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress_kv", "dsq_rope_rotate_quant", "dsq_fp8_selfcheck",
-           "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field", "dsq_error_string"}
+           "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field", "dsq_error_string",
+           "dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout",                          # kernels/cuda/scorer.h
+           "dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"}         # kernels/cuda/topk.h
 
 
 def needed_libraries(path: str) -> list[str]:
@@ -82,7 +84,15 @@ def test_registers_every_writer():
     assert ok, why
     assert set(dispatch.ops_of("cuda")) >= {"indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store",
                                             "index_q_rope_pack_weights", "rope_fake_quant_fp4",
-                                            "rmsnorm_rope_rotate_fp4quant_kvcache", "compress_kv", "rope_rotate_quant"}
+                                            "rmsnorm_rope_rotate_fp4quant_kvcache", "compress_kv", "rope_rotate_quant",
+                                            "paged_mqa_logits", "topk_indices"}
+
+
+def test_scorer_struct_matches_its_mirror():
+    """kernels/cuda/scorer.h's DsqPagedLogitsArgs, field by field, against backends/scorer.py's ctypes mirror."""
+    from dsaquant.backends import scorer
+    lib = scorer.load(str(LIB))
+    assert lib is not None and scorer.layout_mismatches(lib) == []
 
 
 @pytest.mark.parametrize("arch", [a.strip() for a in os.environ.get("DSAQUANT_CUDA_ARCHS", "90a;100a").split(";")
