@@ -181,9 +181,11 @@ def _v4_raw():
 
 def _scorer_raw():
     a = _scorer_args("aiter_fp4")
+    B, N = a["q"].shape[:2]
+    out = torch.empty((B * N, a["max_seq_len"]), dtype=torch.float32)
     return (torch.ops.dsaquant.paged_mqa_logits.default,
             (a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_tables"], a["max_seq_len"], "aiter_fp4",
-             a["q_scale"], a["kv_cache_scale"], 0.5, False, "e4m3fn", 16, "reference"))
+             a["q_scale"], a["kv_cache_scale"], 0.5, False, "e4m3fn", 16, True, out, "reference"))
 
 
 RAW = {"indexer_fp8": lambda: _indexer_raw("fp8"), "indexer_fp4": lambda: _indexer_raw("fp4"),

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import formats as F
+from . import layouts as L
 from .scorer import _cdiv, _device_info, _dev_index, _e2m1_value, _fp4_dequant, _fp8_decode, native_fp8_for
 from ..reference import prefill as refp
 
@@ -510,26 +511,21 @@ def _gather_kernel(kv_ptr, kvs_ptr, bt_ptr, cu_ptr, out_ptr, outs_ptr, flag_ptr,
     o = tl.where(ok, o, 0)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
-        if PRESHUFFLE:
-            off = page[:, None] * (PAGE * 132) + ((o // 16) * 2048 + (o % 16) * 16)[:, None] \
-                + ((d // 16) * 256 + d % 16)[None, :]
-        else:
-            off = page[:, None] * (PAGE * 132) + (o * 128)[:, None] + d[None, :]
-        codes = tl.load(kv_ptr + off, mask=ok[:, None], other=0)
+        codes = tl.load(kv_ptr + L.fp8_132_data(page, o, d, PAGE, PRESHUFFLE), mask=ok[:, None], other=0)
         tl.store(out_ptr + t64[:, None] * 128 + d[None, :], codes, mask=t_ok[:, None])
-        sc = tl.load(kv_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + page * (PAGE * 33) + 32 * PAGE + o,
+        sc = tl.load(kv_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + L.fp8_132_scale(page, o, PAGE),
                      mask=ok, other=0.0)
         tl.store(outs_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + t64, sc, mask=t_ok)
     else:
         col = tl.arange(0, 64)
         g = tl.arange(0, 4)
         if LAYOUT == 1:
-            off = page[:, None] * (PAGE * 68) + (o * 64)[:, None] + col[None, :]
-            soff = page[:, None] * (PAGE * 68) + 64 * PAGE + (o * 4)[:, None] + g[None, :]
+            off = L.packed68_payload(page, o, col, PAGE)
+            soff = L.packed68_exponent(page, o, g, PAGE)
             ex = tl.load(kv_ptr + soff, mask=ok[:, None], other=0)
         else:
-            off = page[:, None] * (PAGE * 64) + ((col // 16) * (PAGE * 16) + col % 16)[None, :] + (o * 16)[:, None]
-            soff = page[:, None] * (4 * PAGE) + (g * PAGE)[None, :] + ((o % 16) * (PAGE // 16) + o // 16)[:, None]
+            off = L.aiter_fp4_payload(page, o, col, PAGE)
+            soff = L.aiter_fp4_exponent(page, o, PAGE)[:, None] + (g * PAGE)[None, :]
             ex = tl.load(kvs_ptr + soff, mask=ok[:, None], other=0)
         pay = tl.load(kv_ptr + off, mask=ok[:, None], other=0)
         tl.store(out_ptr + t64[:, None] * 64 + col[None, :], pay, mask=t_ok[:, None])

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .. import errors
+from . import layouts as L
 from .. import codes
 from ..codes import Layout, code_of
 from ..reference.layouts import aiter_q_scale_pad
@@ -239,13 +240,8 @@ def _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride
 
     if LAYOUT == LAYOUT_FP8_132:
         d = tl.arange(0, 128)
-        if PRESHUFFLE:
-            off = page[:, None] * (PAGE * 132) + ((o // 16) * 2048 + (o % 16) * 16)[:, None] \
-                + ((d // 16) * 256 + d % 16)[None, :]
-        else:
-            off = page[:, None] * (PAGE * 132) + (o * 128)[:, None] + d[None, :]
-        kc = tl.load(kv_ptr + off, mask=p_ok[:, None], other=0)
-        k_scale = tl.load(kvf_ptr + page * (PAGE * 33) + 32 * PAGE + o, mask=p_ok, other=0.0)
+        kc = tl.load(kv_ptr + L.fp8_132_data(page, o, d, PAGE, PRESHUFFLE), mask=p_ok[:, None], other=0)
+        k_scale = tl.load(kvf_ptr + L.fp8_132_scale(page, o, PAGE), mask=p_ok, other=0.0)
         if FP8_NATIVE:
             if FNUZ:
                 kf = kc.to(tl.float8e4b8, bitcast=True)
@@ -262,13 +258,11 @@ def _score_tile(t, qT, qT_hi, w_col, n_of_r, n0, b64, ctx_ptr, stride_cb, stride
     else:
         col = tl.arange(0, 64)
         if LAYOUT == LAYOUT_PACKED68:   # packed68: payload at 64*o + byte, exponents at 64*P + 4*o (kvf_ptr: *i32 view)
-            off = page[:, None] * (PAGE * 68) + (o * 64)[:, None] + col[None, :]
-            kp = tl.load(kv_ptr + off, mask=p_ok[:, None], other=0)
-            kword = tl.load(kvf_ptr + page * (PAGE * 17) + 16 * PAGE + o, mask=p_ok, other=0)
+            kp = tl.load(kv_ptr + L.packed68_payload(page, o, col, PAGE), mask=p_ok[:, None], other=0)
+            kword = tl.load(kvf_ptr + L.packed68_exponent_word(page, o, PAGE), mask=p_ok, other=0)
         else:             # aiter_fp4: [NB, 1, 4, P, 16] and [NB, 1, 4, P] at sflat(o)
-            off = page[:, None] * (PAGE * 64) + ((col // 16) * (PAGE * 16) + col % 16)[None, :] + (o * 16)[:, None]
-            kp = tl.load(kv_ptr + off, mask=p_ok[:, None], other=0)
-            ke_base = page * (4 * PAGE) + (o % 16) * (PAGE // 16) + o // 16
+            kp = tl.load(kv_ptr + L.aiter_fp4_payload(page, o, col, PAGE), mask=p_ok[:, None], other=0)
+            ke_base = L.aiter_fp4_exponent(page, o, PAGE)
             kword = tl.zeros((BLOCK_KV,), tl.int32)
             for g in tl.static_range(4):
                 eg = tl.load(ks_ptr + ke_base + g * PAGE, mask=p_ok, other=0).to(tl.int32)
