@@ -16,7 +16,7 @@
 //   * four m64nNTk32 wgmma (K = 128) into fp32 registers, then the epilogue in registers: times the row
 //     scale, relu (NaN kept), times the head weight, summed over the heads of each query (in-thread,
 //     then across the four lanes of a row), times weight_scale, stored; -inf past the context.
-// No host synchronisation: the work split depends on the shapes and max_seq_len only, so one captured
+// No host synchronisation: the work split depends on the shapes, max_seq_len and the device only, so one captured
 // CUDA graph serves any context lengths.
 //
 // Accuracy: the products are exact, the tensor cores' fp32 accumulation of the 128 products is not
