@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from dsaquant.testing import triton_aot_missing
+
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,20 +78,12 @@ for layout in ("fp8_132", "aiter_fp4"):
 """
 
 
-def _backend_missing(kind: str) -> str:
-    try:
-        from triton.backends import backends
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        return f"this triton cannot compile ahead of time: {e}"
-    name = "nvidia" if kind == "cuda" else "amd"
-    return "" if name in backends else f"this triton ({triton.__version__}) has no {name} backend"
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_prefill_kernels_compile(name):
     kind, arch, warp, flavour = TARGETS[name]
-    why = _backend_missing(kind)
+    why = triton_aot_missing(kind)
     if why:
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

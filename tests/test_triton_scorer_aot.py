@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from dsaquant.testing import triton_aot_missing
+
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,15 +76,6 @@ for layout, N, H, P, kw, fp8 in configs:
 """
 
 
-def _backend_present(kind: str) -> str:
-    """'' if this triton ships the backend for `kind` (and GPUTarget), else why not."""
-    try:
-        from triton.backends import backends
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        return f"this triton ({triton.__version__}) cannot compile ahead of time: {e}"
-    name = "nvidia" if kind == "cuda" else "amd"
-    return "" if name in backends else f"this triton ({triton.__version__}) has no {name} backend"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +86,7 @@ def compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scorer_aot")
     procs = {}
     for name, (kind, arch, warp, flavour) in TARGETS.items():
-        if not _backend_present(kind):
+        if not triton_aot_missing(kind):
             out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
             p = subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps([kind, arch, warp, flavour]),
                                   json.dumps(MMA[name])], stdout=out, stderr=err, env=env, cwd=str(ROOT))
@@ -123,7 +116,7 @@ def compiled(tmp_path_factory):
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_scorer_compiles(name, compiled):
     kind = TARGETS[name][0]
-    why = _backend_present(kind)
+    why = triton_aot_missing(kind)
     if why:
         pytest.skip(why)
     rc, out, err = compiled(name)

@@ -5,7 +5,6 @@ set (DeepGEMM's fp8_mqa_logits / fp8_fp4_mqa_logits), `mqa_topk` selects the top
 logits without materialising them, and `gather_index_cache` copies the keys of given sequences out of a
 paged cache (SPEC §6) into the contiguous form the two read.
 """
-from __future__ import annotations
 
 from typing import Optional
 

@@ -340,3 +340,15 @@ def run_scorer(fn, *args, clean_logits=True, logits_dtype=None, **knobs):
     out = torch.empty((q.shape[0] * q.shape[1], max_seq_len), dtype=logits_dtype or torch.float32, device=q.device)
     fn(*args, clean_logits, out, **knobs)
     return out
+
+
+def triton_aot_missing(kind: str) -> str:
+    """'' if this Triton can compile ahead of time for `kind` ("cuda" or "hip"), else why not (a skip reason)."""
+    import triton
+    try:
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        return f"this triton ({triton.__version__}) cannot compile ahead of time: {e}"
+    name = "nvidia" if kind == "cuda" else "amd"
+    return "" if name in backends else f"this triton ({triton.__version__}) has no {name} backend"

@@ -2,7 +2,6 @@
 selection step. Validate (SPEC §7.5) -> pick a backend (dispatch.py) -> one torch.library op that writes
 `out`, with a fake implementation, as in ops.py.
 """
-from __future__ import annotations
 
 from typing import Optional
 

@@ -33,14 +33,6 @@ def _backends(op):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _ieee_reference():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def _ranges(S, SKV, g):
     ks = torch.randint(-50, SKV, (S,), generator=g)
     ke = ks + torch.randint(-10, SKV, (S,), generator=g)
