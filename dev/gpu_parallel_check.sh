@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: build the CUDA module, run GPU test groups side by side (Triton compiles are CPU-bound,
+# One call on a GPU machine: build the CUDA module, run GPU test groups side by side (Triton compiles are CPU-bound,
 # the GPU work of the tests is small), then the benchmark alone. Logs and byte-count tables go to $OUT.
 #   GPU_GROUPS: ';'-separated pytest argument lists, one process each (default below)
 #   GPU_TESTS_TIMEOUT (s, per group, default 330), GPU_BENCH_ARGS (default "--tokens 1,64,8192")

@@ -1,6 +1,6 @@
 """The repository reads as a product: every "SPEC §N" citation names a section of docs/spec.md, no tracked
-file links outside the repository, and no tracked file carries development-log remarks (which session or
-run produced a number, issue numbers, device time). Runs on `git ls-files` (skipped outside a git checkout)."""
+file links outside the repository, and no tracked file carries development-log remarks (when or on which
+device call a number was produced, issue numbers, device time). Runs on `git ls-files` (skipped outside a git checkout)."""
 from __future__ import annotations
 
 import re

@@ -3,22 +3,17 @@ stage) and gfx942 (the merge stage, which holds every code path but the chunk pa
 counts docs/topk.md describes. Skipped in a process running TRITON_INTERPRET=1 (no JIT kernels there)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from dsaquant.testing import triton_jit_module  # noqa: E402
+
 
 def _topk():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted functions, nothing to compile")
-    from triton.runtime.jit import JITFunction
-    from dsaquant.triton import topk
-    if not isinstance(topk._topk_kernel, JITFunction):
-        pytest.skip("dsaquant.triton was imported under TRITON_INTERPRET=1 in this process: no JIT kernels")
-    return topk
+    return triton_jit_module("topk", "_topk_kernel")
 
 
 @pytest.mark.parametrize("target, stage, form, dtype", [

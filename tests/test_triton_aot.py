@@ -13,7 +13,6 @@ Needs the kernels as JIT functions: skipped (with the reason) in a process runni
 from __future__ import annotations
 
 import math
-import os
 import re
 
 import pytest
@@ -23,23 +22,13 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from dsaquant import testing as tt  # noqa: E402
+from dsaquant.testing import AOT_TARGETS, triton_aot_missing, triton_jit_module  # noqa: E402
 
-TARGETS = {
-    "sm_90": ("cuda", 90, 32),
-    "sm_100": ("cuda", 100, 32),
-    "gfx942": ("hip", "gfx942", 64),
-    "gfx950": ("hip", "gfx950", 64),
-}
+TARGETS = {name: t[:3] for name, t in AOT_TARGETS.items()}   # (backend, arch, warp size)
 
 
 def _quant():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted functions, nothing to compile")
-    from triton.runtime.jit import JITFunction
-    from dsaquant.triton import quant
-    if not isinstance(quant._indexer_kernel, JITFunction):
-        pytest.skip("dsaquant.triton was imported under TRITON_INTERPRET=1 in this process: no JIT kernels")
-    return quant
+    return triton_jit_module("quant", "_indexer_kernel")
 
 
 # ---- the ops' positional arguments (the reference signature), built on CPU tensors ----------------------
@@ -195,14 +184,6 @@ V4_VARIANTS = {  # name -> (prepare function name, args); "-soft": the DSAQUANT_
 }
 
 
-def _has_target(kind: str) -> str:
-    """'' if this triton build has the backend for `kind` (cuda / hip), else why not."""
-    try:
-        from triton.backends import backends
-    except Exception as e:  # pragma: no cover
-        return f"triton.backends unavailable: {e}"
-    name = "nvidia" if kind == "cuda" else "amd"
-    return "" if name in backends else f"this triton build has no {name} backend (has {sorted(backends)})"
 
 
 def target_modes(target):
@@ -299,7 +280,7 @@ def check_code(compiled, kind):
 def test_writer_compiles(variant, target):
     quant = _quant()
     kind = TARGETS[target][0]
-    why = _has_target(kind)
+    why = triton_aot_missing(kind)
     if why:
         pytest.skip(why)
     op, args = VARIANTS[variant]()
@@ -328,7 +309,7 @@ def test_v4_kernel_compiles(variant, target):
     """compress_kv's two launches and rope_rotate_quant's one (SPEC §7.6, §7.7), same checks as above."""
     compress, rope_rotate = _v4()
     kind = TARGETS[target][0]
-    why = _has_target(kind)
+    why = triton_aot_missing(kind)
     if why:
         pytest.skip(why)
     which, make = V4_VARIANTS[variant]

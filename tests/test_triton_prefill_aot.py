@@ -16,17 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from dsaquant.testing import triton_aot_missing
+from dsaquant.testing import AOT_TARGETS, triton_aot_missing
 
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = {  # name: (backend, arch, warp size, native fp8 flavour)
-    "sm_90": ("cuda", 90, 32, "e4m3fn"),
-    "sm_100": ("cuda", 100, 32, "e4m3fn"),
-    "gfx942": ("hip", "gfx942", 64, "e4m3fnuz"),
-    "gfx950": ("hip", "gfx950", 64, "e4m3fn"),
-}
+TARGETS = AOT_TARGETS   # name: (backend, arch, warp size, native fp8 flavour)
 MMA = {  # (any matrix instruction, fp8 MMA, int8 MMA)
     "sm_90": (r"wgmma\.mma_async", r"wgmma\.mma_async\S*\.e4m3\.e4m3", r"wgmma\.mma_async\S*\.s32\.s8\.s8"),
     "sm_100": (r"tcgen05\.mma|wgmma|mma\.sync", r"tcgen05\.mma|e4m3", r"tcgen05\.mma|mma\.sync\S*\.s8|\.s8\.s8"),

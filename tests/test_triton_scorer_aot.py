@@ -15,18 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from dsaquant.testing import triton_aot_missing
+from dsaquant.testing import AOT_TARGETS, triton_aot_missing
 
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TARGETS = {  # name: (backend, arch, warp size, native fp8 flavour)
-    "sm_90": ("cuda", 90, 32, "e4m3fn"),
-    "sm_100": ("cuda", 100, 32, "e4m3fn"),
-    "gfx942": ("hip", "gfx942", 64, "e4m3fnuz"),
-    "gfx950": ("hip", "gfx950", 64, "e4m3fn"),
-}
+TARGETS = AOT_TARGETS   # name: (backend, arch, warp size, native fp8 flavour)
 MMA = {  # what the assembly must contain: (any dot, native fp8 dot)
     "sm_90": (r"wgmma\.mma_async", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3"),
     "sm_100": (r"tcgen05\.mma", r"tcgen05\.mma"),

@@ -352,3 +352,28 @@ def triton_aot_missing(kind: str) -> str:
         return f"this triton ({triton.__version__}) cannot compile ahead of time: {e}"
     name = "nvidia" if kind == "cuda" else "amd"
     return "" if name in backends else f"this triton ({triton.__version__}) has no {name} backend"
+
+
+# Ahead-of-time compile targets of the Triton tests: name -> (backend, arch, warp size, native fp8 flavour).
+AOT_TARGETS = {
+    "sm_90": ("cuda", 90, 32, "e4m3fn"),
+    "sm_100": ("cuda", 100, 32, "e4m3fn"),
+    "gfx942": ("hip", "gfx942", 64, "e4m3fnuz"),
+    "gfx950": ("hip", "gfx950", 64, "e4m3fn"),
+}
+
+
+def triton_jit_module(name: str, kernel: str):
+    """dsaquant.triton.<name> for an AOT test, skipping (pytest) where its `kernel` is not a JIT function
+    (TRITON_INTERPRET=1 in this process, now or when dsaquant.triton was first imported)."""
+    import importlib
+    import os
+
+    import pytest
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted functions, nothing to compile")
+    from triton.runtime.jit import JITFunction
+    mod = importlib.import_module(f"dsaquant.triton.{name}")
+    if not isinstance(getattr(mod, kernel), JITFunction):
+        pytest.skip("dsaquant.triton was imported under TRITON_INTERPRET=1 in this process: no JIT kernels")
+    return mod

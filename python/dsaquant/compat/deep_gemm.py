@@ -90,11 +90,10 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     lens = context_lens.reshape(-1).to(torch.int64).clamp(min=0)
     splits = (lens + SPLIT_KV - 1) // SPLIT_KV                                  # per query row
     ends = torch.cumsum(splits, 0)
-    total = ends[-1:] if ends.numel() else torch.zeros(1, dtype=torch.int64, device=lens.device)
-    starts = torch.arange(num_sms + 1, device=lens.device, dtype=torch.int64) * total // num_sms
+    firsts = torch.cat((ends.new_zeros(1), ends))                              # the first split of each row
+    starts = torch.arange(num_sms + 1, device=lens.device, dtype=torch.int64) * firsts[-1:] // num_sms
     row = torch.searchsorted(ends, starts, right=True)
-    before = torch.where(row > 0, ends[(row - 1).clamp(min=0)] if ends.numel() else starts * 0, torch.zeros_like(row))
-    return torch.stack((row, starts - before), dim=1).to(torch.int32)
+    return torch.stack((row, starts - firsts[row]), dim=1).to(torch.int32)
 
 
 def _paged_lens(context_lens: torch.Tensor, B: int, N: int) -> torch.Tensor:
