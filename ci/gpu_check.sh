@@ -64,7 +64,7 @@ if has sanitize && command -v compute-sanitizer >/dev/null; then
   # Every (tool, script, backend) run at once: the tools are host-bound, and each process has its own outputs.
   pids=()
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
-    for script in ${SANITIZE_SCRIPTS:-ci/sanitize_cases.py ci/sanitize_edge_cases.py}; do
+    for script in ${SANITIZE_SCRIPTS:-ci/sanitize_cases.py ci/sanitize_edge_cases.py ci/sanitize_read_cases.py}; do
       for b in ${SANITIZE_BACKENDS:-$BACKEND}; do
         log="$OUT/sanitizer_${tool}_$(basename "$script" .py)_$b.log"
         ( timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" "$b" \

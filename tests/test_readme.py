@@ -51,7 +51,7 @@ def check_server_snippet(ns: dict) -> None:
     k_deq = k_deq * page[128 * P:128 * P + 4 * T].view(torch.float32).unsqueeze(1)
     q_deq = q_out[-1].cpu().view(torch.uint8).view(torch.float8_e4m3fn).float()             # [H, 128]
     want = (torch.relu(q_deq.double() @ k_deq.double().T) * w_out[-1].cpu().double().unsqueeze(1)).sum(0)
-    torch.testing.assert_close(logits[0].cpu().double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits[0].cpu().double(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
 
 
 def test_readme_has_the_server_snippet():

@@ -21,6 +21,9 @@ class DeviceScope {
       error_ = static_cast<int>(cudaSetDevice(device));
       if (error_ == 0) previous_ = current;
     }
+    // A failed query leaves its code as the runtime's last error; consume it, so that a later launch's
+    // cudaGetLastError() does not report this refused call's error as its own.
+    if (error_ != 0) static_cast<void>(cudaGetLastError());
   }
   ~DeviceScope() {
     if (previous_ >= 0) static_cast<void>(cudaSetDevice(previous_));   // nothing to report it to
@@ -55,6 +58,7 @@ inline const DeviceProps& device_props(int device) {
       const int err = static_cast<int>(cudaDeviceGetAttribute(q.out, q.attr, device));
       if (err != 0 && p.error == 0) p.error = err;
     }
+    if (p.error != 0) static_cast<void>(cudaGetLastError());   // as in DeviceScope: not a later launch's error
   });
   return props[device];
 }
