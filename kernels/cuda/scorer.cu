@@ -4,18 +4,21 @@
 // logits[b*N + n, p] = weight_scale * sum_h w[b*N + n, h] * relu(q[b, n, h, :] . k[p, :])
 // for p < len(b, n), with q and k dequantized. One CTA = one warpgroup (128 threads) owns sequence b,
 // a group of NQ queries (the wgmma N side is NT = NQ * H query rows) and a range of 64-position tiles
-// of the context (a split: small batches still fill every SM). Per tile:
-//   * cp.async copies the tile's keys (kStages deep) into shared memory, in the 128-byte swizzle that
-//     wgmma reads; positions past the context or whose page is out of range are zero-filled, never read;
-//   * FP4 layouts: the packed E2M1 codes are expanded to e4m3 on chip. Every E2M1 value is exact in
-//     e4m3; a row's four UE8M0 block exponents are folded into the values relative to the row's largest
-//     (value * 2^(6 - (emax - e))): exact while a row's exponents span at most 14 binades (the usual
-//     case by far; beyond that the small blocks round to e4m3 subnormals), and the row keeps one
-//     power-of-two scale 2^(emax - 133), the role the fp32 scale plays in fp8_132. q rows get the same
-//     treatment once per CTA; their scale is folded into the head weights;
-//   * four m64nNTk32 wgmma (K = 128) into fp32 registers, then the epilogue in registers: times the row
-//     scale, relu (NaN kept), times the head weight, summed over the heads of each query (in-thread,
-//     then across the four lanes of a row), times weight_scale, stored; -inf past the context.
+// of the context (a split: small batches still fill every SM). Tiles go in pairs:
+//   * cp.async copies a pair's keys into shared memory (kAhead pairs ahead of the one computed), fp8
+//     rows in the 128-byte swizzle that wgmma reads; positions past the context or whose page is out of
+//     range are zero-filled, never read;
+//   * both tiles' four m64nNTk32 wgmma (K = 128) are issued into two accumulator sets (NT <= 64), and
+//     tile 2p's epilogue runs while tile 2p + 1's wgmma does: times the row scale, relu (NaN kept), times the head
+//     weight, summed over the heads of each query (in-thread, then across the four lanes of a row),
+//     times weight_scale, stored; -inf past the context;
+//   * FP4 layouts feed wgmma's A operand from registers: each thread expands the packed E2M1 codes of its
+//     own two rows to e4m3 (a prmt table lookup; every E2M1 value is exact in e4m3), with a row's four
+//     UE8M0 block exponents folded into the values relative to the row's largest (value * 2^(6 - (emax
+//     - e))): exact while a row's exponents span at most 14 binades (the usual case by far; beyond that
+//     the small blocks round to e4m3 subnormals), and the row keeps one power-of-two scale 2^(emax - 133),
+//     the role the fp32 scale plays in fp8_132. q rows get the same treatment once per CTA (in shared
+//     memory, their k order permuted as the register fragments take it); their scale goes into the weights.
 // No host synchronisation: the work split depends on the shapes, max_seq_len and the device only, so one captured
 // CUDA graph serves any context lengths.
 //
@@ -38,29 +41,34 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kTile = 64;          // KV positions per tile: the wgmma M side
-constexpr int kStages = 4;         // cp.async pipeline depth
+#ifndef DSQ_SCORER_STAGES
+#define DSQ_SCORER_STAGES 4
+#endif
+constexpr int kStages = DSQ_SCORER_STAGES;   // tile stages in shared memory: pairs of tiles, kAhead + 1 pairs
+constexpr int kAhead = kStages / 2 - 1;      // pairs in flight ahead of the one computed
+static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even number >= 4");
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
               "scorer.h layout codes are dsaquant/codes.h's");
 constexpr int kFoldShift = 6;      // E2M1 values are scaled by up to 2^6 (6 * 64 = 384 <= 448)
+constexpr int kLutEntries = 33;    // exponent distances 0..31 (31: every value rounds to zero), 32: a zero scale
 
 // Shared memory of one CTA, in bytes from a 1024-aligned base.
 struct SmemPlan {
-  int q, k, kexp, raw, scales, rowscale, w, pages, total;
+  int q, k, raw, scales, lut, w, pages, total;
 };
 __host__ __device__ inline SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
   SmemPlan s{};
   s.q = 0;
   s.k = nt * 128;                                      // a multiple of 1024 (nt >= 16)
   if (fp4) {
-    s.kexp = s.k;                                      // one expanded 64 x 128 e4m3 tile
-    s.raw = s.kexp + kTile * 128;                      // kStages x 64 x 64 payload bytes
+    s.raw = s.k;                                       // kStages x 64 x 64 payload bytes
     s.scales = s.raw + kStages * kTile * 64;           // kStages x 512 exponent bytes
-    s.rowscale = s.scales + kStages * 512;             // 64 fp32 row scales
-    s.w = s.rowscale + kTile * 4;
+    s.lut = s.scales + kStages * 512;                  // kLutEntries e4m3 magnitude tables (8 bytes each)
+    s.w = s.lut + kLutEntries * 8;
   } else {
-    s.kexp = s.raw = s.rowscale = 0;
+    s.raw = s.lut = 0;
     s.scales = s.k + kStages * kTile * 128;            // kStages x 64 fp32 scales
     s.w = s.scales + kStages * kTile * 4;
   }
@@ -112,20 +120,31 @@ __device__ __forceinline__ void e2m1_table(int e, int emax, uint32_t& lo, uint32
   lo = cvt_e4m3x2(0.f, 0.5f * s) | (cvt_e4m3x2(s, 1.5f * s) << 16);
   hi = cvt_e4m3x2(2.f * s, 3.f * s) | (cvt_e4m3x2(4.f * s, 6.f * s) << 16);
 }
-// Eight packed E2M1 codes (SPEC §1: element 2i in the low nibble of byte i) -> eight e4m3 bytes.
+// Eight packed E2M1 codes (SPEC §1: element 2i in the low nibble of byte i) -> eight e4m3 bytes:
+// x = elements 0..3, y = elements 4..7. The magnitudes come from the table (prmt on the low three bits of
+// each nibble); each nibble's sign bit (bit 3) is moved to bit 7 of its byte by one more prmt that picks
+// the byte of w << 4 (even nibbles) or of w (odd nibbles).
 __device__ __forceinline__ uint2 expand8(uint32_t w, uint32_t lo, uint32_t hi) {
+  const uint32_t u = w << 4;
   uint2 r;
-  r.x = __byte_perm(lo, hi, w & 0x7777u) | __byte_perm(0x8000u, 0u, (w >> 3) & 0x1111u);
-  r.y = __byte_perm(lo, hi, (w >> 16) & 0x7777u) | __byte_perm(0x8000u, 0u, (w >> 19) & 0x1111u);
+  r.x = __byte_perm(lo, hi, w & 0x7777u) | (__byte_perm(u, w, 0x5140u) & 0x80808080u);
+  r.y = __byte_perm(lo, hi, (w >> 16) & 0x7777u) | (__byte_perm(u, w, 0x7362u) & 0x80808080u);
   return r;
 }
-// One 32-value block (16 packed bytes) -> 32 e4m3 bytes (two 16-byte chunks).
-__device__ __forceinline__ void expand_block(uint4 raw, uint32_t lo, uint32_t hi, uint4& c0, uint4& c1) {
-  const uint2 a = expand8(raw.x, lo, hi), b = expand8(raw.y, lo, hi), c = expand8(raw.z, lo, hi),
-              d = expand8(raw.w, lo, hi);
-  c0 = make_uint4(a.x, a.y, b.x, b.y);
-  c1 = make_uint4(c.x, c.y, d.x, d.y);
+// The magnitude table of exponent distance d = emax - e (fp4 rows fold their block exponents relative
+// to the row's largest): the eight E2M1 magnitudes times 2^(6 - d); d = 32 is a zero-scale block.
+__device__ __forceinline__ void fp4_table(int d, uint32_t& lo, uint32_t& hi) {
+  if (d >= 32) {
+    lo = hi = 0;
+  } else {
+    e2m1_table(1, 1 + d, lo, hi);
+  }
 }
+// The table entry of a block with exponent e in a row whose largest exponent is emax.
+__device__ __forceinline__ int lut_index(int e, int emax) { return e == 0 ? 32 : min(emax - e, 31); }
+// Byte offset of block j of row m in a stage of packed E2M1 rows: 16-byte chunks swizzled by row pair so
+// that the eight rows a warp reads at once fall in distinct banks.
+__device__ __forceinline__ int raw_chunk(int m, int j) { return m * 64 + ((j ^ ((m >> 1) & 3)) << 4); }
 // The scale a row keeps after folding: 2^(emax - 127 - kFoldShift) from bits; 0 for an all-zero-scale
 // row, NaN when a block has the NaN scale 255 (SPEC §3).
 __device__ __forceinline__ float fold_scale(int emax) {
@@ -142,18 +161,19 @@ __device__ __forceinline__ int max4(uint32_t e) {
 __device__ __forceinline__ void store_chunk(uint8_t* tile, int row, int c, uint4 v) {
   *reinterpret_cast<uint4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v;
 }
-// Four packed E2M1 blocks (64 bytes) with exponents e (block j in byte j) -> a swizzled e4m3 row;
-// returns the row's scale.
-__device__ __forceinline__ float expand_row(const uint4 (&raw)[4], uint32_t e, uint8_t* tile, int row) {
+// One q row: four packed E2M1 blocks (64 bytes) with exponents e (block j in byte j) -> a swizzled e4m3
+// row, each block's 32 values in the order the k side's register fragments use (wgmma.cuh): the first
+// 16 bytes hold elements 8t + 0..3, the next 16 elements 8t + 4..7, t = 0..3. Returns the row's scale.
+__device__ __forceinline__ float expand_q_row(const uint4 (&raw)[4], uint32_t e, uint8_t* tile, int row) {
   const int emax = max4(e);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint32_t lo, hi;
     e2m1_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
-    uint4 c0, c1;
-    expand_block(raw[j], lo, hi, c0, c1);
-    store_chunk(tile, row, 2 * j, c0);
-    store_chunk(tile, row, 2 * j + 1, c1);
+    const uint2 p0 = expand8(raw[j].x, lo, hi), p1 = expand8(raw[j].y, lo, hi), p2 = expand8(raw[j].z, lo, hi),
+                p3 = expand8(raw[j].w, lo, hi);
+    store_chunk(tile, row, 2 * j, make_uint4(p0.x, p1.x, p2.x, p3.x));
+    store_chunk(tile, row, 2 * j + 1, make_uint4(p0.y, p1.y, p2.y, p3.y));
   }
   return fold_scale(emax);
 }
@@ -229,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   float* sscale = reinterpret_cast<float*>(smem + plan.scales);
   uint8_t* sraw = smem + plan.raw;
   uint8_t* sexp = smem + plan.scales;
-  float* srow = reinterpret_cast<float*>(smem + plan.rowscale);
+  uint2* slut = reinterpret_cast<uint2*>(smem + plan.lut);
   const uint8_t* kv = a.kv_cache;
   // Page id of position p (>= 0), or -1 (out of range, past the context, or past the table).
   auto page_at = [&](int p) -> int { return p < read_end ? spages[geo.page_of(p) - e0] : -1; };
@@ -260,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int q = tid + kThreads * i, m = q >> 2, c = q & 3;
-          cp_async16(sraw + s * (kTile * 64) + m * 64 + c * 16,
+          cp_async16(sraw + s * (kTile * 64) + raw_chunk(m, c),
                      page + dsq::packed68_payload_offset_at(dsq::SlotPos{0, o0 + m}, P, c * 16));
         }
         if (tid < kTile / 4)
@@ -270,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int q = tid + kThreads * i, m = q >> 2, c = q & 3;
-          cp_async16(sraw + s * (kTile * 64) + m * 64 + c * 16,
+          cp_async16(sraw + s * (kTile * 64) + raw_chunk(m, c),
                      page + dsq::aiter_fp4_data_offset_at(dsq::SlotPos{0, o0 + m}, P, c * 16));
         }
         if (tid < P / 4) cp_async16(sexp + s * 512 + tid * 16, a.kv_scale + static_cast<int64_t>(wpg) * 4 * P + tid * 16);
@@ -304,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int q = tid + kThreads * i, m = q >> 2, c = q & 3, p = base + m;
-        uint8_t* dst = dst_tile + m * 64 + c * 16;
+        uint8_t* dst = dst_tile + raw_chunk(m, c);
         const int pg = page_at(p);
         if (pg >= 0) {
           const dsq::SlotPos sp{pg, geo.in_page(p)};
@@ -347,11 +367,16 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
   const uint64_t desc_q = dsq_wgmma::desc_sw128(sq);
   const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows: m0 and m0 + 8
   const float wscale = a.weight_scale;
+  // Tiles go in pairs: pair p = tiles 2p, 2p + 1 in stages 2p % kStages, 2p % kStages + 1; one cp.async
+  // group per pair, kAhead pairs in flight ahead of the one computed.
+  auto issue_pair = [&](int p) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_tiles) issue(t0 + s, s);
+    for (int k = 0; k < 2; ++k)
+      if (2 * p + k < n_tiles) issue(t0 + 2 * p + k, (2 * p + k) % kStages);
     cp_async_commit();
-  }
+  };
+#pragma unroll
+  for (int p = 0; p < kAhead; ++p) issue_pair(p);
 
   // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per CTA ---------------------------
   if constexpr (!FP4) {
@@ -374,6 +399,11 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
       sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
     }
   } else {
+    if (tid < kLutEntries) {   // the magnitude table of each exponent distance (fp4_lut)
+      uint32_t lo, hi;
+      fp4_table(tid, lo, hi);
+      slut[tid] = make_uint2(lo, hi);
+    }
     for (int r = tid; r < NT; r += kThreads) {
       const int qi = r / H, h = r % H;
       const int64_t n = static_cast<int64_t>(group) * NQ + qi;
@@ -394,12 +424,12 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
         }
         w = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
       }
-      const float s = expand_row(raw, e, sq, r);
+      const float s = expand_q_row(raw, e, sq, r);
       sw[r] = n < a.N ? w * s : 0.f;
     }
   }
-
-  __syncthreads();   // q rows and weights (the loop's first barrier comes after its first wait)
+  fence_proxy_async();   // q rows written with st.shared, read by wgmma
+  __syncthreads();       // q rows, weights, the FP4 table
   float wr[NT / 4];   // this thread's head weights: columns 8c + 2(lane%4) + j at 2c + j
 #pragma unroll
   for (int c = 0; c < NT / 8; ++c) {
@@ -407,70 +437,72 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
     wr[2 * c + 1] = sw[8 * c + 2 * (lane & 3) + 1];
   }
 
-  for (int i = 0; i < n_tiles; ++i) {
-    const int t = t0 + i, stage = i % kStages;
-    if (i + kStages - 1 < n_tiles) issue(t + kStages - 1, (i + kStages - 1) % kStages);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
-    uint8_t* ktile;
-    float sk0, sk1;
+  // Two accumulator sets: tile i + 1's wgmma runs while tile i's epilogue does. FP4 tiles feed wgmma
+  // from registers (their A fragments, two sets as well: the instruction reads them until it completes).
+  // Wide tiles (NT = 128: 64 accumulator registers) keep one set: two would halve the resident CTAs.
+  constexpr bool kDual = kRegs <= 32;
+  float acc[2][kRegs];
+  uint32_t frag[2][FP4 ? 4 : 1][4];
+  float rscale[2][2];   // the row scales of rows m0 and m0 + 8 (fp32 scales, or the FP4 fold scales)
+
+  // Tile i (its stage landed and visible): read its row scales (FP4: build its A fragments), issue its
+  // wgmma into acc[PB].
+  auto start = [&](auto par, int i) {
+    constexpr int PB = decltype(par)::value;
+    const int stage = i % kStages;
     if constexpr (!FP4) {
-      fence_proxy_async();
-      __syncthreads();
-      ktile = sk + stage * (kTile * 128);
-      sk0 = sscale[stage * kTile + m0];
-      sk1 = sscale[stage * kTile + m0 + 8];
+      rscale[PB][0] = sscale[stage * kTile + m0];
+      rscale[PB][1] = sscale[stage * kTile + m0 + 8];
     } else {
-      __syncthreads();
-      // expand: thread -> row m = tid / 2, blocks 2*(tid%2) and 2*(tid%2) + 1
-      const int m = tid >> 1, half = tid & 1;
-      const uint8_t* raw = sraw + stage * (kTile * 64) + m * 64 + half * 32;
-      const uint4 r0 = *reinterpret_cast<const uint4*>(raw), r1 = *reinterpret_cast<const uint4*>(raw + 16);
+      const uint8_t* raw = sraw + stage * (kTile * 64);
       const uint8_t* ex = sexp + stage * 512;
-      uint32_t e;
-      if (a.layout == DSQ_SCORER_PACKED68) {
-        e = *reinterpret_cast<const uint32_t*>(ex + m * 4);
-      } else {
-        const int p = t * kTile + m, o = geo.in_page(p);
-        const uint8_t* region = ex + (P >= kTile ? 0 : (m / P) * 4 * P);
-        const int sf = static_cast<int>(dsq::aiter_sflat(o, P));
-        e = region[sf] | (region[P + sf] << 8) | (region[2 * P + sf] << 16) | (static_cast<uint32_t>(region[3 * P + sf]) << 24);
-      }
-      const int emax = max4(e);
-      uint8_t* kx = smem + plan.kexp;
+      const int tq = lane & 3;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int blk = 2 * half + j;
-        uint32_t lo, hi;
-        e2m1_table(static_cast<int>((e >> (8 * blk)) & 255), emax, lo, hi);
-        uint4 c0, c1;
-        expand_block(j == 0 ? r0 : r1, lo, hi, c0, c1);
-        store_chunk(kx, m, 2 * blk, c0);
-        store_chunk(kx, m, 2 * blk + 1, c1);
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = m0 + 8 * hr;
+        uint32_t e;
+        if (a.layout == DSQ_SCORER_PACKED68) {
+          e = *reinterpret_cast<const uint32_t*>(ex + m * 4);
+        } else {
+          const int o = geo.in_page((t0 + i) * kTile + m);
+          const uint8_t* region = ex + (P >= kTile ? 0 : (m / P) * 4 * P);
+          const int sf = static_cast<int>(dsq::aiter_sflat(o, P));
+          e = region[sf] | (region[P + sf] << 8) | (region[2 * P + sf] << 16) |
+              (static_cast<uint32_t>(region[3 * P + sf]) << 24);
+        }
+        const int emax = max4(e);
+        rscale[PB][hr] = fold_scale(emax);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 tab = slut[lut_index(static_cast<int>((e >> (8 * j)) & 255), emax)];
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + raw_chunk(m, j) + 4 * tq);
+          const uint2 x = expand8(w, tab.x, tab.y);
+          frag[PB][j][hr] = x.x;        // k 4*tq + 0..3:      elements 8*tq + 0..3 of block j
+          frag[PB][j][2 + hr] = x.y;    // k 16 + 4*tq + 0..3: elements 8*tq + 4..7 (q rows are permuted alike)
+        }
       }
-      if (half == 0) srow[m] = fold_scale(emax);
-      fence_proxy_async();
-      __syncthreads();
-      ktile = kx;
-      sk0 = srow[m0];
-      sk1 = srow[m0 + 8];
     }
-
-    float acc[kRegs];
-    const uint64_t desc_k = dsq_wgmma::desc_sw128(ktile);
 #pragma unroll
-    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[r]);
+    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[PB][r]);
     dsq_wgmma::fence();
+    if constexpr (!FP4) {
+      const uint64_t desc_k = dsq_wgmma::desc_sw128(sk + stage * (kTile * 128));
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) Mma::run(acc, desc_k + 2 * ks, desc_q + 2 * ks, ks > 0 ? 1 : 0);
+      for (int ks = 0; ks < 4; ++ks) Mma::run(acc[PB], desc_k + 2 * ks, desc_q + 2 * ks, ks > 0 ? 1 : 0);
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) Mma::run_rs(acc[PB], frag[PB][ks], desc_q + 2 * ks, ks > 0 ? 1 : 0);
+    }
     dsq_wgmma::commit();
-    dsq_wgmma::wait_all();
-#pragma unroll
-    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[r]);
+  };
 
-    // ---- epilogue: rows m0, m0 + 8; columns 8c + 2(lane%4) + j --------------------------------------
-    // relu(acc * s) = s * relu(acc) for a row scale s >= 0 (or NaN): the scale is applied once per row
-    // after the head sum. A warp with a negative fp8 scale (never written by a writer) scales first.
+  // Tile i's epilogue from acc[PB]: rows m0, m0 + 8; columns 8c + 2(lane%4) + j.
+  // relu(acc * s) = s * relu(acc) for a row scale s >= 0 (or NaN): the scale is applied once per row
+  // after the head sum. A warp with a negative fp8 scale (never written by a writer) scales first.
+  auto epilogue = [&](auto par, int i) {
+    constexpr int PB = decltype(par)::value;
+    const int t = t0 + i;
+    const float sk0 = rscale[PB][0], sk1 = rscale[PB][1];
     const int p0 = t * kTile + m0, p1 = p0 + 8;
     const bool whole = whole_tile_page(t) >= 0;
     const bool ok0 = whole || page_at(p0) >= 0, ok1 = whole || page_at(p1) >= 0;
@@ -483,7 +515,7 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
         const int k = 2 * (c / (H / 8)) + (c & 1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          float x0 = acc[4 * c + j], x1 = acc[4 * c + 2 + j];
+          float x0 = acc[PB][4 * c + j], x1 = acc[PB][4 * c + 2 + j];
           if constexpr (decltype(scaled)::value) {
             x0 *= sk0;
             x1 *= sk1;
@@ -523,7 +555,53 @@ __global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLo
         }
       }
     }
-    __syncthreads();   // the stage and the expanded tile are free for the next copies
+  };
+
+  // Pair p: wait for its copies and make them visible (the barrier also ends every read of the stages
+  // of pair p - 1, so they are refilled with pair p + kAhead right after it), start both wgmma (tile 2p + 1's
+  // operands are prepared while tile 2p's runs), then tile 2p's epilogue while tile 2p + 1's wgmma runs.
+  // No wgmma is in flight across iterations (ptxas keeps both in flight only then). A tile past the last
+  // runs its wgmma on a stage that holds no tile and skips its epilogue.
+  for (int p = 0; 2 * p < n_tiles; ++p) {
+    cp_async_wait<kAhead - 1>();
+    if constexpr (!FP4) fence_proxy_async();
+    __syncthreads();
+    issue_pair(p + kAhead);
+    const int i = 2 * p;
+    if constexpr (!kDual) {   // one accumulator set: the two tiles one after the other
+      start(std::integral_constant<int, 0>{}, i);
+      dsq_wgmma::wait<0>();
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[0][r]);
+      epilogue(std::integral_constant<int, 0>{}, i);
+      if (i + 1 < n_tiles) {
+        start(std::integral_constant<int, 0>{}, i + 1);
+        dsq_wgmma::wait<0>();
+#pragma unroll
+        for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[0][r]);
+        epilogue(std::integral_constant<int, 0>{}, i + 1);
+      }
+      continue;
+    }
+    start(std::integral_constant<int, 0>{}, i);
+    start(std::integral_constant<int, 1>{}, i + 1);
+    dsq_wgmma::wait<1>();
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[0][r]);
+    epilogue(std::integral_constant<int, 0>{}, i);
+    dsq_wgmma::wait<0>();
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) dsq_wgmma::fence_reg(acc[1][r]);
+    if constexpr (FP4) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {   // the A fragments stay live until their wgmma completed
+          dsq_wgmma::fence_reg_u(frag[0][ks][r]);
+          dsq_wgmma::fence_reg_u(frag[1][ks][r]);
+        }
+    }
+    if (i + 1 < n_tiles) epilogue(std::integral_constant<int, 1>{}, i + 1);
   }
 
   // ---- tiles past every query's context: -inf only ---------------------------------------------------
