@@ -47,6 +47,15 @@ constexpr int kTile = 64;          // KV positions per tile: the wgmma M side
 constexpr int kStages = DSQ_SCORER_STAGES;   // tile stages in shared memory: pairs of tiles, kAhead + 1 pairs
 constexpr int kAhead = kStages / 2 - 1;      // pairs in flight ahead of the one computed
 static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even number >= 4");
+// CTAs per SM the register allocation must allow for tiles of NT <= 64 query rows (1: no limit).
+#ifndef DSQ_SCORER_MIN_CTAS_FP8
+#define DSQ_SCORER_MIN_CTAS_FP8 1
+#endif
+#ifndef DSQ_SCORER_MIN_CTAS_FP4
+#define DSQ_SCORER_MIN_CTAS_FP4 1
+#endif
+template <int NT, bool FP4>
+constexpr int kMinCtas = NT > 64 ? 1 : FP4 ? DSQ_SCORER_MIN_CTAS_FP4 : DSQ_SCORER_MIN_CTAS_FP8;
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
@@ -190,7 +199,7 @@ struct Geometry {
 };
 
 template <int H, int NQ, bool FP4>
-__global__ void __launch_bounds__(kThreads) paged_logits_kernel(const DsqPagedLogitsArgs a, int tiles_per_cta,
+__global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, FP4>) paged_logits_kernel(const DsqPagedLogitsArgs a, int tiles_per_cta,
                                                                  int n_pages, int p_shift) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = H * NQ;
