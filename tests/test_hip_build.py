@@ -50,7 +50,7 @@ REVIEWED_RENAMES = {
     "cudaError_t": "hipError_t",
     "cudaGetLastError": "hipGetLastError",
     "cudaGetErrorString": "hipGetErrorString",
-    "cudaErrorInvalidValue": "hipErrorInvalidValue",   # kernels/cuda/v4.cu: a K or D without a kernel (both 1)
+    "cudaErrorInvalidValue": "hipErrorInvalidValue",   # kernels/cuda/compress.cu: a K or D without a kernel (both 1)
     "__shfl_xor_sync": "dsq_shfl_xor_sync",   # kernels/hip/hipify_extra.map -> platform_hip.h
     "__shfl_sync": "dsq_shfl_sync",
     "__shfl_up_sync": "dsq_shfl_up_sync",
@@ -252,7 +252,7 @@ def test_no_scratch_spills_or_calls(rows):
     assert all(r["scratch"] == 0 and r["scratch_comment"] == 0 for r in rows)
     assert all(r["vgpr_spill"] == 0 for r in rows)
     assert all(r["sgpr_spill"] == 0 for r in rows if not r["label"].startswith(bh.SGPR_SPILL_OK))   # (to VGPR lanes)
-    # The kernels keep everything in registers and shuffles, except compress_kv (kernels/cuda/v4_body.cuh
+    # The kernels keep everything in registers and shuffles, except compress_kv (kernels/cuda/compress_body.cuh
     # CompressSmem: the pooled row passes from the block's pool to warp 0's finish through 2 KB of LDS) and
     # the indexer (kernels/cuda/indexer.cu: a k block shares the 256 norm weights and biases through 1 KB;
     # the q rows' cp.async ring is NVIDIA-only).

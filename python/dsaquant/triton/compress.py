@@ -1,6 +1,6 @@
 """The `triton` backend's DeepSeek-V4 compressor, SPEC §7.6 `compress_kv`: kernels and the host wrapper.
 
-`compress_kv` below has exactly the signature of reference.compress.compress_kv (dsaquant.v4ops validates
+`compress_kv` below has exactly the signature of reference.compress.compress_kv (dsaquant.compress validates
 the arguments and calls it positionally) and writes the same bytes: the cache rows of every boundary token
 and, with update_state, the fp32 ring rows of the last K tokens of every sequence.
 
@@ -481,7 +481,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
                 cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode, layout, scale_rule,
                 rounding, scale_fmt, fp8_flavour, preshuffle, hadamard_on, bf16_after, freqs, update_state,
                 page_size):
-    """SPEC §7.6 (same arguments as reference.compress.compress_kv; see dsaquant.v4ops.compress_kv).
+    """SPEC §7.6 (same arguments as reference.compress.compress_kv; see dsaquant.compress.compress_kv).
 
     kv, score [T, C] fp32/bf16 (rows may be strided); ape [ratio, C] fp32; state_kv, state_score
     [N_ring, R, C] fp32; state_slot [B] int32; cu_seqlens [B+1] int32; start_pos [B] int64; norm_weight [D]

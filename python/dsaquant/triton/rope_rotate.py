@@ -1,7 +1,7 @@
 """The `triton` backend's query-side RoPE + rotate + quant, SPEC §7.7 `rope_rotate_quant` (compat: aiter
 `rope_rotate_activation`): kernel and host wrapper.
 
-`rope_rotate_quant` below has exactly the signature of reference.compress.rope_rotate_quant (dsaquant.v4ops
+`rope_rotate_quant` below has exactly the signature of reference.compress.rope_rotate_quant (dsaquant.compress
 validates the arguments and calls it positionally) and writes the same bytes. One launch per call, no host
 sync. Each program takes ROWS (token, head) rows of x [T, H, D] as one [ROWS, D] fp32 tile: tail RoPE with
 interleaved pairs on the last 64 dims (fp32, not rounded), the optional Hadamard over D (times fl(D^-0.5)),
@@ -147,7 +147,7 @@ def prepare_rope_rotate(out, x, cos_cache, sin_cache, positions, rope_dim, out_s
 
 def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim, out_scale, group_size, shuffle_scale,
                       hadamard_on, rounding):
-    """SPEC §7.7 (same arguments as reference.compress.rope_rotate_quant; see dsaquant.v4ops.rope_rotate_quant).
+    """SPEC §7.7 (same arguments as reference.compress.rope_rotate_quant; see dsaquant.compress.rope_rotate_quant).
 
     x [T, H, D] bf16/fp16/fp32 (D in 128..1024, H a power of two); cos_cache, sin_cache [max_pos, 32];
     positions [T] int32/int64; out by dtype: uint8/float4_e2m1fn_x2 [T, H, D/2] with out_scale uint8 (shuffled

@@ -1,4 +1,4 @@
-// kernels/cuda/sglang.cu: SPEC §7.2 (sglang-v41 k writer, q packer, rope + fake quant) and §7.3 (aiter's
+// kernels/cuda/kstore_qpack.cu: SPEC §7.2 (sglang-v41 k writer, q packer, rope + fake quant) and §7.3 (aiter's
 // DeepSeek-V4 k writer). One 16-lane group per 128-wide row (row16.cuh), 16 rows per 256-thread block.
 #include "indexer.h"
 #include "row16.cuh"
