@@ -151,14 +151,14 @@ def test_no_warp_builtin_left_unmapped():
         code = "\n".join(line.split("//", 1)[0] for line in p.read_text().splitlines())
         found = sorted({m.group(1) for m in bh.UNMAPPED_WARP.finditer(code)})
         assert not found, f"{p.name}: {found} (HIP's *_sync builtins check 64-bit wave masks; see platform_hip.h)"
-    row16 = (tree.include_dir / "row16.cuh").read_text()
-    assert "dsq_shfl_xor_sync(mask, v, s, kLanes)" in row16
+    lanes = (tree.include_dir / "lanes.cuh").read_text()
+    assert "dsq_shfl_xor_sync(mask, v, s, LANES)" in lanes
 
 
 def test_refusal_of_unmapped_warp_votes():
     assert bh.UNMAPPED_WARP.search("  unsigned b = __ballot_sync(0xFFFFFFFFu, p);")
     assert bh.UNMAPPED_WARP.search("  if (lane < warpSize) x = 1;")
-    assert not bh.UNMAPPED_WARP.search("  return dsq_shfl_xor_sync(mask, v, s, kLanes);")
+    assert not bh.UNMAPPED_WARP.search("  return dsq_shfl_xor_sync(mask, v, s, LANES);")
 
 
 def test_full_build_without_rocm_fails_clearly(monkeypatch, tmp_path):
