@@ -30,6 +30,7 @@ from .. import codes, errors
 from ..codes import Rounding, code_of
 from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
 from . import formats as F
+from . import layouts as L
 from .formats import (amax_tile, cast_for_store, fp4_encode_tile, fp8_group_quant, hadamard_row, load_f32,
                       pack_nibbles_row, rope_tail_row, ue8m0_recip)
 from .quant import as_u8, launch_from_env, launch_modes, tensor_kind
@@ -79,17 +80,16 @@ def _rope_rotate_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, cos_ptr, sin_ptr, s_c
                  mask=am)
         e2 = tl.reshape(e, (ROWS, NG)).to(tl.uint8)
         if SHUFFLE:
-            # [T, D/128, 4, 16, qs_pad]: group gg (= 4*k_tile + g) of head h of token t at
-            # ((t*NG + gg)*16 + h%16)*qs_pad + h/16; pad columns H/16 .. qs_pad-1 written 0 by heads 0..15
-            tg = t[:, None] * NG + gg
-            tl.store(scale_ptr + ((tg * 16 + (h % 16)[:, None]) * qs_pad + (h // 16)[:, None]), e2, mask=am)
+            # [T, D/128, 4, 16, qs_pad] (layouts.aiter_q_scale_at); pad columns H/16 .. qs_pad-1 written 0 by
+            # heads 0..15
+            tl.store(scale_ptr + L.aiter_q_scale_at(t[:, None], gg, h[:, None], NG, qs_pad), e2, mask=am)
             hb = H // 16
             jj = tl.arange(0, 4)[None, None, :]
             padm = (act & (h < 16))[:, None, None] & (jj < qs_pad - hb)
-            poff = (tg[:, :, None] * 16 + h[:, None, None]) * qs_pad + hb + jj
+            poff = L.aiter_q_scale_at(t[:, None, None], gg[:, :, None], (h % 16)[:, None, None], NG, qs_pad) + hb + jj
             tl.store(scale_ptr + poff, tl.zeros((ROWS, NG, 4), tl.uint8), mask=padm)
         else:
-            tl.store(scale_ptr + ((r * NG)[:, None] + gg), e2, mask=am)
+            tl.store(scale_ptr + L.dense_q_scale_at(r[:, None], gg, NG), e2, mask=am)
     elif OUT == OUT_FP8:
         codes, sc = fp8_group_quant(tl.reshape(y, (ROWS * NG, G)), F.ONE_EM10, 0, BIAS, FMAX, FNUZ, HW_FP8, NATIVE)
         tl.store(out_ptr + ((r * D)[:, None] + d), tl.reshape(codes, (ROWS, D)).to(tl.uint8), mask=am)
