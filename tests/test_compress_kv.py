@@ -895,15 +895,6 @@ def test_host_checks(case, mutate, name):
     assert bool((u8(a["cache"]) == POISON).all()) and same_bytes(a["state_kv"], ring)
 
 
-def test_zero_tokens_is_a_noop():
-    a = _base()
-    a.update(kv=a["kv"][:0], score=a["score"][:0], out_slots=a["out_slots"][:0],
-             cu_seqlens=torch.zeros(3, dtype=torch.int32))
-    ring = a["state_kv"].clone()
-    compress.compress_kv(**a)
-    assert bool((u8(a["cache"]) == POISON).all()) and same_bytes(a["state_kv"], ring)
-
-
 # ------------------------------------------------------------------------------------------------
 # torch.library: schema, fake impl, compile
 # ------------------------------------------------------------------------------------------------

@@ -297,18 +297,14 @@ def test_bad_input_rejected_nothing_written(case, kind, mutate, exc, name):
 
 
 @pytest.mark.parametrize("kind", ["fp4_shuffled", "bf16"])
-def test_zero_tokens_is_a_noop(kind):
-    """T = 0 writes nothing (outputs that are empty views of poisoned buffers keep every byte) and still
-    checks its arguments."""
+def test_zero_tokens_still_checks_arguments(kind):
+    """T = 0 is a no-op (tests/test_edge_cases.py test_zero_tokens_is_a_noop) that still checks its
+    arguments."""
     full = make(kind, T=2)
     a = make(kind, T=0)
     for k in ("out", "out_scale"):
         if k in a:
             a[k] = full[k][:0]
-    assert compress.rope_rotate_quant(**a) is None
-    for k in ("out", "out_scale"):
-        if k in full:
-            assert (u8(full[k]) == POISON).all(), k
     with pytest.raises(ValueError, match="^rope_dim"):
         compress.rope_rotate_quant(**{**a, "rope_dim": 32})
 
