@@ -16,11 +16,14 @@ namespace dsqk {
 
 using namespace dsq;
 
-// The group's lanes as a CUDA warp mask: LANES set bits at the group's first lane.
+// The group's lanes as a CUDA warp mask: LANES set bits at the group's first lane, that is
+// ((1 << LANES) - 1) << (threadIdx.x & (32 - LANES)). The 16-lane form is a select between the warp's two
+// halves (the instructions the 16-lane kernels were measured with), the 8-lane form the shift.
 template <int LANES>
 __device__ __forceinline__ unsigned group_mask() {
   static_assert(LANES == 8 || LANES == 16, "a row group is 8 or 16 lanes");
-  return ((1u << LANES) - 1u) << (threadIdx.x & (32 - LANES));
+  if constexpr (LANES == 16) return (threadIdx.x & 16) ? 0xFFFF0000u : 0x0000FFFFu;
+  else return 0xFFu << (threadIdx.x & 24);
 }
 
 // The value of lane (l ^ s) of the group (s < LANES). `mask` is group_mask<LANES>().
