@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 ( time DSAQUANT_CUDA_ARCHS=${DSAQUANT_CUDA_ARCHS:-90a} python3 tools/build_native.py cuda ) >"$OUT/build.log" 2>&1 \
   || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
 python3 -m dsaquant info >"$OUT/info.txt" 2>&1
-DEFAULT_GROUPS="tests/gpu/test_triton_gpu.py;tests/gpu/test_v4_gpu.py;tests/gpu/test_backend_exact.py tests/gpu/test_reliability_gpu.py -k cuda;tests/gpu/test_reliability_gpu.py -k triton"
+DEFAULT_GROUPS="tests/gpu/test_triton_gpu.py;tests/gpu/test_compress_gpu.py;tests/gpu/test_backend_exact.py tests/gpu/test_reliability_gpu.py -k cuda;tests/gpu/test_reliability_gpu.py -k triton"
 IFS=';' read -ra groups <<<"${GPU_GROUPS:-$DEFAULT_GROUPS}"
 i=0
 for g in "${groups[@]}"; do

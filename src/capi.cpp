@@ -13,7 +13,7 @@
 #include "dsaquant/abi.h"
 #include "device.h"
 #include "indexer.h"
-#include "v4.h"
+#include "compress.h"
 
 namespace {
 

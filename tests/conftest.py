@@ -27,9 +27,9 @@ TESTS_CPP = REPO / "tests" / "cpp"
 # SPEC §0.1 / §0.6: no contraction, no fast-math, no flush-to-zero.
 SLOW_FILES = {
     "test_compile.py", "test_cuda_module.py", "test_e2m1_exhaustive.py", "test_header_builds.py",
-    "test_header_host.py", "test_header_v4_host.py", "test_hip_build.py", "test_properties.py",
+    "test_header_host.py", "test_header_compress_host.py", "test_hip_build.py", "test_properties.py",
     "test_triton_aot.py", "test_triton_fp4_packed.py", "test_triton_quant.py", "test_triton_scorer.py",
-    "test_triton_scorer_aot.py", "test_triton_v4.py", "test_v4_build.py", "test_v4_host.py", "test_wheels.py",
+    "test_triton_scorer_aot.py", "test_triton_compress.py", "test_compress_build.py", "test_compress_host.py", "test_wheels.py",
 }
 
 

@@ -140,7 +140,7 @@ def _check(case):
 
 
 # ------------------------------------------------------------------------------------------------
-# T = 0, T = 1
+# T = 0 (every op: the one T = 0 test of the suite), T = 1
 # ------------------------------------------------------------------------------------------------
 ZERO_CASES = {
     "indexer_fp8": dict(), "indexer_fp8-H3-int32": dict(H=3, pos_dtype="int32", slot_dtype="int32"),
@@ -151,21 +151,63 @@ ZERO_CASES = {
 }
 
 
+def _zero_compress(quant_mode, layout="packed68"):
+    return dq.compress_kv, tt.make_compress_kv(starts=(0, 5), lens=(0, 0), quant_mode=quant_mode, layout=layout,
+                                               seed=1)
+
+
+def _zero_rotate(out, **kw):
+    """rope_rotate_quant with T = 0 whose outputs are empty views of poisoned T = 2 buffers (so a write past
+    the view would show in the storage)."""
+    full, a = tt.make_rope_rotate_quant(T=2, out=out, **kw), tt.make_rope_rotate_quant(T=0, out=out, **kw)
+    for k in ("out", "out_scale"):
+        if k in a:
+            a[k] = full[k][:0]
+    return dq.rope_rotate_quant, a
+
+
+# The ops whose cases are not test_properties cases: name -> () -> (op, kwargs).
+ZERO_OTHER = {
+    "compress_kv-fp4": lambda: _zero_compress("fp4"), "compress_kv-fp4-aiter": lambda: _zero_compress("fp4", "aiter_fp4"),
+    "compress_kv-fp8": lambda: _zero_compress("fp8"), "compress_kv-none": lambda: _zero_compress("none"),
+    "rope_rotate_quant-fp4": lambda: _zero_rotate("fp4"),
+    "rope_rotate_quant-fp4-dense": lambda: _zero_rotate("fp4", shuffle_scale=False),
+    "rope_rotate_quant-e4m3fn": lambda: _zero_rotate("e4m3fn"), "rope_rotate_quant-half": lambda: _zero_rotate("half"),
+}
+
+
+def _tensors(kw):
+    return {(k, i): t for k, v in kw.items() for i, t in enumerate(v if isinstance(v, tuple) else (v,))
+            if isinstance(t, torch.Tensor)}
+
+
 @pytest.mark.parametrize("host_checks", [False, True])
-@pytest.mark.parametrize("name", sorted(ZERO_CASES))
+@pytest.mark.parametrize("name", sorted(ZERO_CASES) + sorted(ZERO_OTHER))
 def test_zero_tokens_is_a_noop(name, host_checks):
+    """T = 0, every op: no error flag, and no byte of any tensor argument's storage changes (outputs stay
+    poisoned, rings and inputs untouched); returned tensors have 0 rows."""
     op = name.split("-")[0]
-    call = tp.build(tp.base_case(op, T=0, **ZERO_CASES[name]))
+    if name in ZERO_OTHER:
+        fn, kw = ZERO_OTHER[name]()
+    else:
+        call = tp.build(tp.base_case(op, T=0, **ZERO_CASES[name]))
+        fn, kw = call.fn, call.kwargs
+    before = {k: tp.storage_u8(t).clone() for k, t in _tensors(kw).items()}
     dq.set_host_checks(host_checks)
-    ret = call.fn(**call.kwargs)
+    ret = fn(**kw)
     dq.set_host_checks(False)
     assert tp.take_flags("cpu") == 0, "T = 0 raised an error flag"
     dq.check_errors()
-    assert _all_poison(call), "T = 0 wrote something"
+    for k, t in _tensors(kw).items():
+        assert torch.equal(tp.storage_u8(t), before[k]), f"T = 0 wrote into {k}"
+    if name in ZERO_CASES:
+        assert _all_poison(call), "T = 0 wrote something"
     if op == "q_pack":
         assert [tuple(t.shape) for t in ret] == [(0, call.meta["H"], 64), (0, call.meta["H"]), (0, call.meta["H"])]
     if op == "fake_quant":
         assert ret.shape[0] == 0
+    if op in ("compress_kv", "rope_rotate_quant"):
+        assert ret is None
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -50,7 +50,7 @@ REVIEWED_RENAMES = {
     "cudaError_t": "hipError_t",
     "cudaGetLastError": "hipGetLastError",
     "cudaGetErrorString": "hipGetErrorString",
-    "cudaErrorInvalidValue": "hipErrorInvalidValue",   # kernels/cuda/v4.cu: a K or D without a kernel (both 1)
+    "cudaErrorInvalidValue": "hipErrorInvalidValue",   # kernels/cuda/compress.cu: a K or D without a kernel (both 1)
     "__shfl_xor_sync": "dsq_shfl_xor_sync",   # kernels/hip/hipify_extra.map -> platform_hip.h
     "__shfl_sync": "dsq_shfl_sync",
     "__shfl_up_sync": "dsq_shfl_up_sync",
@@ -151,14 +151,14 @@ def test_no_warp_builtin_left_unmapped():
         code = "\n".join(line.split("//", 1)[0] for line in p.read_text().splitlines())
         found = sorted({m.group(1) for m in bh.UNMAPPED_WARP.finditer(code)})
         assert not found, f"{p.name}: {found} (HIP's *_sync builtins check 64-bit wave masks; see platform_hip.h)"
-    row16 = (tree.include_dir / "row16.cuh").read_text()
-    assert "dsq_shfl_xor_sync(mask, v, s, kLanes)" in row16
+    lanes = (tree.include_dir / "lanes.cuh").read_text()
+    assert "dsq_shfl_xor_sync(mask, v, s, LANES)" in lanes
 
 
 def test_refusal_of_unmapped_warp_votes():
     assert bh.UNMAPPED_WARP.search("  unsigned b = __ballot_sync(0xFFFFFFFFu, p);")
     assert bh.UNMAPPED_WARP.search("  if (lane < warpSize) x = 1;")
-    assert not bh.UNMAPPED_WARP.search("  return dsq_shfl_xor_sync(mask, v, s, kLanes);")
+    assert not bh.UNMAPPED_WARP.search("  return dsq_shfl_xor_sync(mask, v, s, LANES);")
 
 
 def test_full_build_without_rocm_fails_clearly(monkeypatch, tmp_path):
@@ -192,8 +192,8 @@ def rows(dev):
 
 @needs_toolchain
 def test_every_tu_compiles_for_every_arch_without_warnings(dev):
-    assert sorted(dev.asm) == sorted((a, t) for a in ARCHS for t in ("fp4_selfcheck", "indexer", "selfcheck", "sglang",
-                                                                     "topk", "v4"))
+    assert sorted(dev.asm) == sorted((a, t) for a in ARCHS for t in ("compress", "fp4_selfcheck", "indexer",
+                                                                     "kstore_qpack", "selfcheck", "topk"))
     for s in dev.asm.values():
         assert s.stat().st_size > 0
     warnings = (dev.out / "warnings.txt").read_text()
@@ -252,7 +252,7 @@ def test_no_scratch_spills_or_calls(rows):
     assert all(r["scratch"] == 0 and r["scratch_comment"] == 0 for r in rows)
     assert all(r["vgpr_spill"] == 0 for r in rows)
     assert all(r["sgpr_spill"] == 0 for r in rows if not r["label"].startswith(bh.SGPR_SPILL_OK))   # (to VGPR lanes)
-    # The kernels keep everything in registers and shuffles, except compress_kv (kernels/cuda/v4_body.cuh
+    # The kernels keep everything in registers and shuffles, except compress_kv (kernels/cuda/compress_body.cuh
     # CompressSmem: the pooled row passes from the block's pool to warp 0's finish through 2 KB of LDS) and
     # the indexer (kernels/cuda/indexer.cu: a k block shares the 256 norm weights and biases through 1 KB;
     # the q rows' cp.async ring is NVIDIA-only).

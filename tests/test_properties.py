@@ -130,9 +130,10 @@ def _row_kind(r: torch.Tensor, kind: str, k: int, g: torch.Generator, exact_half
     elif kind == "midpoints":      # exact E2M1 midpoints once scaled by the block exponent (amax 6·2^k)
         r.copy_(_mid_block().repeat(n // 32) * s)
     elif kind == "norm_midpoints" and n == 128:
-        # LayerNorm / RMSNorm of this row (eps 0, unit weight, zero bias) is exact: mean 0, mean square
-        # 16·4^j, so inv = 2^-(2+j) and the midpoint half (dims 0..63 if exact_half == 0: untouched by tail
-        # RoPE; 64..127 if 1: untouched by head RoPE) stays exact E2M1 midpoints of a block of amax 1.5.
+        # LayerNorm / RMSNorm of this row (eps EXACT_EPS, unit weight, zero bias) is exact: mean 0, mean
+        # square 16·4^j >= 2^-2 (var + EXACT_EPS rounds back to var in fp32), so inv = 2^-(2+j) and the
+        # midpoint half (dims 0..63 if exact_half == 0: untouched by tail RoPE; 64..127 if 1: untouched by
+        # head RoPE) stays exact E2M1 midpoints of a block of amax 1.5.
         j = k // 2
         mids, fill = _mid_block().repeat(2) * 2.0 ** j, _norm_filler() * 2.0 ** j
         r.copy_(torch.cat((mids, fill) if exact_half == 0 else (fill, mids)))
@@ -288,11 +289,16 @@ def _common(draw, T):
                 strided_idx=draw(st.booleans()))
 
 
+# The norm epsilon of the exact setting: positive (an epsilon must be, SPEC §7.5) and below half an fp32 ulp
+# of the smallest variance of a `norm_midpoints` row (2^-2), so it does not change that row's inv.
+EXACT_EPS = 2.0 ** -40
+
+
 def _norm(draw, eps_choices):
     """Norm parameters: random weights (and bias) with a drawn eps, or the exact setting (unit weight, zero
-    bias, eps 0) under which the `norm_midpoints` rows reach the quantizer as exact E2M1 midpoints."""
+    bias, eps EXACT_EPS) under which the `norm_midpoints` rows reach the quantizer as exact E2M1 midpoints."""
     if draw(st.booleans()):
-        return dict(eps=0.0, unit_norm=True)
+        return dict(eps=EXACT_EPS, unit_norm=True)
     return dict(eps=draw(st.sampled_from(eps_choices)), unit_norm=False)
 
 
@@ -307,7 +313,7 @@ def indexer_case(draw, mode, max_t=MAX_T, max_h=MAX_H):
              w_dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
              cs_dtype=draw(st.sampled_from(["bfloat16", "float16", "float32"])),
              nw_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-             neox=draw(st.booleans()), all_q=draw(st.booleans()), **_norm(draw, (1e-6, 1e-5, 0.0)),
+             neox=draw(st.booleans()), all_q=draw(st.booleans()), **_norm(draw, (1e-6, 1e-5, EXACT_EPS)),
              slot_dtype=draw(st.sampled_from(["int64", "int32"])), q_vals=draw(values()),
              k_vals=draw(values(normed=True)),
              w_vals=draw(values(rows=False)), ws=draw(st.sampled_from([1.0, 128 ** -0.5 * 64 ** -0.5, 3.0])))
@@ -332,7 +338,7 @@ def k_store_case(draw, max_t=MAX_T):
              dtype=draw(st.sampled_from(["bfloat16", "float16"])),
              nw_dtype=draw(st.sampled_from(["bfloat16", "float32", "float16"])),
              ratio=draw(st.sampled_from([1, 2, 4, 8])), rounding=draw(st.sampled_from(ROUNDINGS)),
-             **_norm(draw, (1e-6, 0.0)), slot_dtype=draw(st.sampled_from(["int64", "int32"])),
+             **_norm(draw, (1e-6, EXACT_EPS)), slot_dtype=draw(st.sampled_from(["int64", "int32"])),
              k_vals=draw(values(normed=True)), nw_scale=draw(st.sampled_from([1.0, 1e-3, 1e3])),
              cache_3d=draw(st.booleans()))
     c["slots"] = draw(index_kinds(SLOT_KINDS, T))
@@ -374,7 +380,7 @@ def v4_k_case(draw, max_t=MAX_T):
              nw_dtype=draw(st.sampled_from(["bfloat16", "float32", "float16"])),
              cs_dtype=draw(st.sampled_from(["bfloat16", "float16", "float32"])),
              hadamard=draw(st.booleans()), rounding=draw(st.sampled_from(["threshold", "rne", "hardware"])),
-             **_norm(draw, (1e-6, 0.0)), slot_dtype=draw(st.sampled_from(["int64", "int32"])),
+             **_norm(draw, (1e-6, EXACT_EPS)), slot_dtype=draw(st.sampled_from(["int64", "int32"])),
              k_vals=draw(values(normed=True)))
     c["slots"] = draw(index_kinds(SLOT_KINDS, T))
     c["pos"] = draw(index_kinds(POS_KINDS, T))
@@ -404,16 +410,17 @@ def base_case(op: str, T: int = 12, **kw) -> dict:
     c = dict(T=T, seed=1, max_pos=64, pos_dtype="int64", strided=0, strided_idx=False, op=op)
     if op.startswith("indexer"):
         c.update(mode=op[-3:], H=16, P=16, extra_pages=0, dtype="bfloat16", w_dtype="float32", cs_dtype="bfloat16",
-                 nw_dtype="float32", neox=True, all_q=False, eps=0.0, unit_norm=True, slot_dtype="int64", q_vals=vals,
-                 k_vals=vals, w_vals=w_vals, ws=1.0, slots=slots, pos=pos)
+                 nw_dtype="float32", neox=True, all_q=False, eps=EXACT_EPS, unit_norm=True, slot_dtype="int64",
+                 q_vals=vals, k_vals=vals, w_vals=w_vals, ws=1.0, slots=slots, pos=pos)
         if op == "indexer_fp8":
             c.update(q_out="float8_e4m3fn", flavour=None, scale_fmt="ue8m0", preshuffle=False, kv_dtype="uint8",
                      cache_3d=False)
         else:
             c.update(rounding="rne", wo_dtype="bfloat16")
     elif op == "k_store":
-        c.update(P=16, extra_pages=0, dtype="bfloat16", nw_dtype="bfloat16", ratio=1, rounding="rne", eps=0.0,
-                 unit_norm=True, slot_dtype="int64", k_vals=vals, nw_scale=1.0, cache_3d=False, slots=slots, pos=pos)
+        c.update(P=16, extra_pages=0, dtype="bfloat16", nw_dtype="bfloat16", ratio=1, rounding="rne",
+                 eps=EXACT_EPS, unit_norm=True, slot_dtype="int64", k_vals=vals, nw_scale=1.0, cache_3d=False,
+                 slots=slots, pos=pos)
     elif op == "q_pack":
         c.update(H=3, dtype="bfloat16", w_dtype="float32", rounding="rne", q_vals=vals, w_vals=w_vals,
                  ws=128 ** -0.5, pos=pos)
@@ -421,8 +428,8 @@ def base_case(op: str, T: int = 12, **kw) -> dict:
         c.update(H=None, block=32, scale="ue8m0", ratio=1, dtype="bfloat16", x_vals=vals, pos=pos)
     else:
         c.update(P=16, extra_pages=0, layout="aiter_fp4", hk=None, dtype="bfloat16", nw_dtype="float32",
-                 cs_dtype="bfloat16", hadamard=False, rounding="rne", eps=0.0, unit_norm=True, slot_dtype="int64",
-                 k_vals=vals, slots=slots, pos=pos)
+                 cs_dtype="bfloat16", hadamard=False, rounding="rne", eps=EXACT_EPS, unit_norm=True,
+                 slot_dtype="int64", k_vals=vals, slots=slots, pos=pos)
     c.update(kw)
     return c
 

@@ -447,36 +447,7 @@ def test_bad_input_known_gaps(base, case, mutate, exc, name):
     test_bad_input(base, case, mutate, exc, name)
 
 
-# ---- T = 0: a no-op that raises nothing and writes nothing ------------------------------------------
-ZERO = {
-    "indexer_fp8": lambda: _indexer("fp8", T=0),
-    "indexer_fp4": lambda: _indexer("fp4", T=0),
-    "k_store": lambda: _k_store(T=0),
-    "q_pack": lambda: _q_pack(T=0),
-    "fake_quant_2d": lambda: _fake_quant(T=0),
-    "fake_quant_3d": lambda: _fake_quant(T=0, H=2),
-    "v4_aiter": lambda: _v4("aiter_fp4", T=0),
-    "v4_dense": lambda: _v4("dense", T=0),
-}
-
-
-@pytest.mark.parametrize("base", sorted(ZERO))
-@pytest.mark.parametrize("host_checks", [False, True])
-def test_zero_tokens_is_a_noop(base, host_checks):
-    fn, a, outs = ZERO[base]()
-    dsaquant.set_host_checks(host_checks)
-    try:
-        r = fn(**a)
-    finally:
-        dsaquant.set_host_checks(False)
-    for n, t in _outputs(a, outs):
-        assert _storage_all_poison(t), n
-    if base == "q_pack":
-        assert [tuple(x.shape) for x in r] == [(0, 16, 64), (0, 16), (0, 16)]
-    if base.startswith("fake_quant"):
-        assert r.shape[0] == 0
-
-
+# ---- T = 0 of every op: tests/test_edge_cases.py test_zero_tokens_is_a_noop ------------------------------
 def test_zero_length_scorer_context():
     """A scorer call with max_seq_len = 0 returns an empty [B*N, 0] tensor."""
     fn, a, _ = _scorer("fp8_132")
@@ -492,7 +463,7 @@ def _compress():
                                                                                       "state_score"]
 
 
-# (base, argument): every float scalar of every op. `eps`/`epsilon` are norm epsilons (also rejected < 0).
+# (base, argument): every float scalar of every op. `eps`/`epsilon` are norm epsilons (also rejected <= 0).
 FLOAT_ARGS = [("indexer_fp8", "epsilon"), ("indexer_fp8", "weights_scale"), ("indexer_fp4", "epsilon"),
               ("indexer_fp4", "weights_scale"), ("k_store", "eps"), ("q_pack", "weight_scale"),
               ("v4_aiter", "epsilon"), ("v4_dense", "epsilon"), ("scorer_fp8", "weight_scale"),
@@ -526,17 +497,26 @@ def test_non_finite_float_scalar(base, arg, value):
 EPS_ARGS = [c for c in FLOAT_ARGS if c[1] in ("eps", "epsilon")]
 
 
+@pytest.mark.parametrize("value", [-1e-6, 0.0, -0.0, 0, -1], ids=["neg", "zero", "negzero", "int0", "int-1"])
 @pytest.mark.parametrize("base,arg", EPS_ARGS, ids=[f"{b}-{n}" for b, n in EPS_ARGS])
-def test_negative_epsilon(base, arg):
-    _rejected(base, arg, -1e-6, f"{arg}: expected a number >= 0, got -1e-06")
+def test_epsilon_not_positive(base, arg, value):
+    _rejected(base, arg, value, f"{arg}: expected a number > 0, got {value!r}")
+
+
+@pytest.mark.parametrize("value,fp32", [(1e-50, 0.0), (2.0 ** -150, 0.0), (1e39, float("inf"))],
+                         ids=["underflow", "half-subnormal", "overflow"])
+@pytest.mark.parametrize("base,arg", EPS_ARGS, ids=[f"{b}-{n}" for b, n in EPS_ARGS])
+def test_epsilon_not_positive_in_fp32(base, arg, value, fp32):
+    """Every backend adds the epsilon in fp32: one that rounds to 0 or to inf there is rejected too."""
+    _rejected(base, arg, value, f"{arg}: expected a number > 0 and finite in fp32, got {value!r} (fp32: {fp32!r})")
 
 
 @pytest.mark.parametrize("base,arg", FLOAT_ARGS, ids=[f"{b}-{n}" for b, n in FLOAT_ARGS])
 def test_finite_float_scalar_accepted(base, arg):
-    """The rejections above are about the value only: the same call with a finite value (an int, or an
-    epsilon of 0) runs."""
+    """The rejections above are about the value only: the same call with a finite value (an int; for an
+    epsilon, the smallest positive fp32 subnormal) runs."""
     fn, a, _ = FLOAT_BASES[base]()
-    a[arg] = 0.0 if (base, arg) in EPS_ARGS else 2
+    a[arg] = 2.0 ** -149 if (base, arg) in EPS_ARGS else 2
     fn(**a)
 
 

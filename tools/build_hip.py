@@ -558,7 +558,7 @@ def encodes_fp4_pairs(label: str) -> bool:
 def min_fp4_cvt(label: str) -> int:
     """Fewest V_CVT_SCALEF32_PK_FP4_F32 a gfx950 kernel that encodes FP4 pairs must hold: fp4_quant8 encodes 4
     pairs per lane (unrolled); the self-check calls the pair encoder twice (raw, canonical NaN); the V4 kernels
-    (kernels/cuda/v4_body.cuh) hold 32*V values a warp lane, V/2 pairs: compress_kv V = 4, rope_rotate V = D/32."""
+    (kernels/cuda/compress_body.cuh) hold 32*V values a warp lane, V/2 pairs: compress_kv V = 4, rope_rotate V = D/32."""
     if label.startswith("fp4_hw_selfcheck") or label.startswith("compress_kv"):
         return 2
     if label.startswith("rope_rotate"):
@@ -640,7 +640,7 @@ def resource_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Kernels whose SGPR spills are accepted: compress_kv (kernels/cuda/v4_body.cuh) keeps more uniform 64-bit values
+# Kernels whose SGPR spills are accepted: compress_kv (kernels/cuda/compress_body.cuh) keeps more uniform 64-bit values
 # (its ~30 pointer/stride arguments, window row addresses, layout offsets) than gfx9's 102 SGPRs hold; the excess goes
 # to VGPR lanes (v_writelane/v_readlane), never to scratch (still checked: scratch 0, VGPR spills 0).
 SGPR_SPILL_OK = ("compress_kv",)

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_SOURCES = ["src/capi.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/sglang.cu", "kernels/cuda/selfcheck.cu",
-                "kernels/cuda/v4.cu", "kernels/cuda/scorer.cu", "kernels/cuda/topk.cu"]
+CUDA_SOURCES = ["src/capi.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/kstore_qpack.cu", "kernels/cuda/selfcheck.cu",
+                "kernels/cuda/compress.cu", "kernels/cuda/scorer.cu", "kernels/cuda/topk.cu"]
 LIBRARY = "libdsaquant_cuda.so"   # the file name python/dsaquant/backends/cuda.py loads
 
 

@@ -25,7 +25,7 @@
 
 #include "indexer.h"
 
-#include "row16.cuh"   // DType codes, scalar loads, rope_load, with_* dispatch
+#include "row16.cuh"   // DType codes, scalar loads, rope_load, with_* dispatch; lanes.cuh (group_*)
 
 namespace dsqk {
 namespace {
@@ -92,9 +92,6 @@ constexpr int kRingVec4 = kStages<MODE> * (2 * 256 + (MODE == kModeFp8 ? kGroups
 constexpr bool kTableInSmem = DSQ_INDEXER_TABLE_IN_SMEM;
 template <int MODE>
 constexpr int kSmemVec4 = kStages<MODE> >= 2 ? kRingVec4<MODE> + (kTableInSmem ? 4 * 256 : 0) : 256 / 4;
-
-__device__ __forceinline__ unsigned group_mask8() { return 0xFFu << (threadIdx.x & 24); }
-__device__ __forceinline__ float shfl8(unsigned mask, float v, int s) { return __shfl_xor_sync(mask, v, s, kGroupLanes); }
 
 // Eight consecutive 16-bit values at p, one at a time (rows that are not 16-byte aligned). Not inlined on
 // NVIDIA: inlined, its loads were predicated into the vector path and issued (switched off) for every row.
@@ -202,7 +199,7 @@ template <bool NEOX>
 __device__ __forceinline__ void rope_a(unsigned mask, int lane, float (&v)[16], const float (&c)[8], const float (&s)[8]) {
   if (NEOX) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = fadd(fmul(v[i], c[i]), fmul(shfl8(mask, v[i], 4), s[i]));
+    for (int i = 0; i < 8; ++i) v[i] = fadd(fmul(v[i], c[i]), fmul(group_shfl_xor<kGroupLanes>(mask, v[i], 4), s[i]));
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) rope_pair(v[2 * i], v[2 * i + 1], c[i], s[i]);
@@ -216,8 +213,7 @@ __device__ __forceinline__ float amax_lanes(unsigned mask, const float (&v)[16],
   float m = 0.0f;
 #pragma unroll
   for (int i = i0; i < i1; ++i) m = fmax_nn(m, abs_f(v[i]));
-  for (int s = lanes >> 1; s >= 1; s >>= 1) m = fmax_nn(m, shfl8(mask, m, s));
-  return m;
+  return group_max<kGroupLanes>(mask, m, lanes);
 }
 
 // FP4 (SPEC §2-§3, rule recip): the two blocks this lane takes part in (a: block lane/4, b: block
@@ -263,8 +259,8 @@ __device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&x
   const uint32_t ma = bf16x2_max_nn(bf16x2_max_nn(aa[0], aa[1]), bf16x2_max_nn(aa[2], aa[3]));
   const uint32_t mb = bf16x2_max_nn(bf16x2_max_nn(ab[0], ab[1]), bf16x2_max_nn(ab[2], ab[3]));
   uint32_t m = bf16x2_max_nn(byte_perm(ma, mb, 0x5410u), byte_perm(ma, mb, 0x7632u));   // (a, b)
-  m = bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 2, kGroupLanes));
-  m = bf16x2_max_nn(bf16x2_max_nn(m, __shfl_xor_sync(mask, m, 1, kGroupLanes)), 0u);   // an all-NaN block: 0
+  m = bf16x2_max_nn(m, group_shfl_xor<kGroupLanes>(mask, m, 2));
+  m = bf16x2_max_nn(bf16x2_max_nn(m, group_shfl_xor<kGroupLanes>(mask, m, 1)), 0u);   // an all-NaN block: 0
   const Bf16x2Scales sc = ue8m0_recip_scales_bf16x2(m);
   e_a = sc.e_a;
   e_b = sc.e_b;
@@ -515,7 +511,7 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   const bool valid = t_in < a.T;
   const int64_t t = valid ? t_in : a.T - 1;
   const int lane = threadIdx.x & 7;
-  const unsigned mask = group_mask8();
+  const unsigned mask = group_mask<kGroupLanes>();
   // The loads that do not depend on another are issued first (small T: the call is this chain).
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
@@ -544,14 +540,9 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   // rounded to the input dtype. S is the canonical sum: lane l holds partials 2l, 2l+1 (a) and
   // 16+2l, 17+2l (b); level 16 is in-lane, levels 8, 4, 2 are lanes l ^ 4, 2, 1, level 1 in-lane.
   auto row_sum = [&](const float (&x)[16]) {
-    float p0 = fadd(canonical_partial(x[0], x[1], x[2], x[3]), canonical_partial(x[8], x[9], x[10], x[11]));
-    float p1 = fadd(canonical_partial(x[4], x[5], x[6], x[7]), canonical_partial(x[12], x[13], x[14], x[15]));
-#pragma unroll
-    for (int sh = 4; sh >= 1; sh >>= 1) {
-      p0 = fadd(p0, shfl8(mask, p0, sh));
-      p1 = fadd(p1, shfl8(mask, p1, sh));
-    }
-    return fadd(p0, p1);
+    return group_sum<kGroupLanes>(
+        mask, fadd(canonical_partial(x[0], x[1], x[2], x[3]), canonical_partial(x[8], x[9], x[10], x[11])),
+        fadd(canonical_partial(x[4], x[5], x[6], x[7]), canonical_partial(x[12], x[13], x[14], x[15])));
   };
   const float mean = div128(row_sum(v));   // S / 128 without a division (rope.h)
   float d2[16];

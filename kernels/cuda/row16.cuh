@@ -1,7 +1,8 @@
 // kernels/cuda/row16.cuh: one 128-wide row held by a group of 16 lanes, 8 consecutive values each.
 //
 // Lane l (0..15 within its half-warp) holds x[8l .. 8l+7]. The helpers below are the shared header's
-// math (src/include/dsaquant) distributed over those lanes, nothing more:
+// math (src/include/dsaquant) distributed over those lanes, nothing more; their cross-lane steps are
+// lanes.cuh's, with LANES = kLanes = 16 (the indexer uses the same with 8):
 //   - the canonical sum (SPEC §0.2): lane l owns partials 2l and 2l+1; the butterfly steps s = 16..2
 //     pair partial i with i ^ s, i.e. lane l with lane l ^ (s/2); s = 1 pairs the lane's two partials.
 //   - amax over the row (16 lanes) or over one block of 32 (4 lanes).
@@ -16,6 +17,7 @@
 #include "dsaquant/dsaquant.h"
 #include "dsaquant/fake_quant.h"
 #include "indexer.h"
+#include "lanes.cuh"
 
 namespace dsqk {
 
@@ -23,14 +25,6 @@ using namespace dsq;
 
 constexpr int kLanes = 16;   // lanes per row
 constexpr int kVals = 8;     // values per lane
-
-// Shuffles inside the 16-lane group (width 16). `mask` names the group's lanes in the warp.
-__device__ __forceinline__ float shfl_xor16(unsigned mask, float v, int s) {
-  return __shfl_xor_sync(mask, v, s, kLanes);
-}
-__device__ __forceinline__ unsigned group_mask() {
-  return (threadIdx.x & 16) ? 0xFFFF0000u : 0x0000FFFFu;
-}
 
 // Element types of the inputs, by a runtime code: dsaquant/codes.h DType (kF32 .. kI64). kPairs, outside that
 // range, is this file's own template code of a RoPE table of fp32 (cos, sin) pairs (RopeArgs::pairs).
@@ -91,14 +85,7 @@ __device__ __forceinline__ void load_row8(const void* row, int lane, bool vec, f
 
 // SPEC §0.2 canonical sum of a row of 128 whose lane holds terms t[0..7]; every lane gets the sum.
 __device__ __forceinline__ float row_sum(unsigned mask, const float (&t)[kVals]) {
-  float p0 = canonical_partial(t[0], t[1], t[2], t[3]);
-  float p1 = canonical_partial(t[4], t[5], t[6], t[7]);
-#pragma unroll
-  for (int s = 8; s >= 1; s >>= 1) {   // partial strides 16, 8, 4, 2
-    p0 = fadd(p0, shfl_xor16(mask, p0, s));
-    p1 = fadd(p1, shfl_xor16(mask, p1, s));
-  }
-  return fadd(p0, p1);                  // partial stride 1
+  return group_sum<kLanes>(mask, canonical_partial(t[0], t[1], t[2], t[3]), canonical_partial(t[4], t[5], t[6], t[7]));
 }
 
 // SPEC §0.3 amax of the lane's values, then over `lanes` lanes (16: the row; 4: a block of 32).
@@ -106,8 +93,7 @@ __device__ __forceinline__ float group_amax(unsigned mask, const float (&v)[kVal
   float a = 0.0f;
 #pragma unroll
   for (int e = 0; e < kVals; ++e) a = fmax_nn(a, abs_f(v[e]));
-  for (int s = lanes >> 1; s >= 1; s >>= 1) a = fmax_nn(a, shfl_xor16(mask, a, s));
-  return a;
+  return group_max<kLanes>(mask, a, lanes);
 }
 
 // N consecutive (cos, sin) pairs j0 .. j0+N-1 (N = 4 or 8, j0 a multiple of N) of a table (indexer.h
@@ -177,7 +163,7 @@ __device__ __forceinline__ void rope_row(unsigned mask, int lane, float (&v)[kVa
     // Partner lane holds dims +-32: lanes rl and rl ^ 4. Every lane shuffles (uniform control flow).
     float other[kVals];
 #pragma unroll
-    for (int e = 0; e < kVals; ++e) other[e] = shfl_xor16(mask, v[e], 4);
+    for (int e = 0; e < kVals; ++e) other[e] = group_shfl_xor<kLanes>(mask, v[e], 4);
     if (!mine) return;
     const bool first = rl < 4;   // holds a = x[j], partner holds b = x[j + 32]
     float c[kVals], s[kVals];
@@ -214,7 +200,7 @@ __device__ __forceinline__ void hadamard_row(unsigned mask, int lane, float (&v)
     const bool upper = lane & s;
 #pragma unroll
     for (int e = 0; e < kVals; ++e) {
-      const float o = shfl_xor16(mask, v[e], s);
+      const float o = group_shfl_xor<kLanes>(mask, v[e], s);
       v[e] = upper ? fsub(o, v[e]) : fadd(v[e], o);
     }
   }

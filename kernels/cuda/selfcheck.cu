@@ -2,7 +2,7 @@
 // definitions, for the fp32 bit patterns [start, start + count): fp8_encode2 (the e4m3fn convert on
 // sm_89+) vs fp8_encode2_software, and round_bf16 / round_fp16 (cvt.rn on sm_80+) vs their software
 // forms. The mismatches are added to *out. Also exp_ds (SPEC §0.7) of an fp32 array, so that the header's
-// exp_ds can be held to its golden vectors on the GPU itself (tests/gpu/test_v4_gpu.py).
+// exp_ds can be held to its golden vectors on the GPU itself (tests/gpu/test_compress_gpu.py).
 #include "indexer.h"
 #include "row16.cuh"
 

@@ -7,13 +7,13 @@
 //   HIP's own *_sync builtins (ROCm >= 6.2) are not used, on purpose:
 //     - they require a 64-bit mask naming lanes of the 64-lane wave and check it (a waterfall loop over
 //       __ballot/readfirstlane, and a trap when a lane of the mask is absent). The kernels' masks are CUDA
-//       warp masks: row16.cuh's group_mask() gives 0x0000FFFF / 0xFFFF0000 from threadIdx.x & 16, which on
+//       warp masks: lanes.cuh's group_mask<16>() gives 0x0000FFFF / 0xFFFF0000 from threadIdx.x & 16, which on
 //       a wave64 names lanes 0..31 for the groups at lanes 32..63 too. Passing it on would be wrong, and
 //       the check costs instructions on every shuffle.
 //     - HIP's plain __shfl_xor / __shfl / __shfl_up / __shfl_down take no mask and are exact on wave64 for
 //       every width that is a power of two <= 64: a lane reads lane (lane ^ s) of its own aligned group of
 //       `width` lanes (ds_bpermute_b32).
-//   So the mask is dropped. That is correct because of the contract of kernels/cuda/row16.cuh: every lane
+//   So the mask is dropped. That is correct because of the contract of kernels/cuda/lanes.cuh: every lane
 //   of a 16-lane group calls each shuffle together, with width 16 and s < 16 (the indexer's 8-lane groups:
 //   width 8 and s < 8), so every lane read is an active lane of the caller's own group. Other groups of the same wave may have returned early (their
 //   exec bits are off): they are never read, because no shuffle of width 16 leaves its group.

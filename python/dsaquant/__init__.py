@@ -16,5 +16,5 @@ from .ops import (convert_fp4_cache, index_k_norm_rope_pack_store, index_q_rope_
                   rope_fake_quant_fp4)
 from .topk import topk_indices  # noqa: F401
 from .prefill import gather_index_cache, mqa_logits, mqa_topk  # noqa: F401
-from .v4ops import PRESETS as COMPRESS_PRESETS, compress_kv, rope_rotate_quant  # noqa: F401
+from .compress import PRESETS as COMPRESS_PRESETS, compress_kv, rope_rotate_quant  # noqa: F401
 from .version import __version__  # noqa: F401

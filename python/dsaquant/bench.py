@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from . import dispatch, ops, testing as tt, v4ops
+from . import compress, dispatch, ops, testing as tt
 
 OUT_KEYS = {
     "indexer_qk_rope_quant_and_cache": ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"),
@@ -154,14 +154,14 @@ def v4_cases():
             return tt.make_compress_kv(starts=starts, lens=lens, ratio=ratio, device="cuda", seed=s,
                                        quant_mode="fp4", negatives=False, dtype=torch.bfloat16,
                                        max_pos=max(4096, max(st + n for st, n in zip(starts, lens))))
-        yield (label, sum(lens), "compress_kv", v4ops.compress_kv, make,
+        yield (label, sum(lens), "compress_kv", compress.compress_kv, make,
                lambda a, starts=starts, lens=lens: compress_bytes(a, starts, lens))
     T, H = 8192, 64
 
     def rr_bytes(a):
         return (_nbytes(a["x"]) + _nbytes(a["out"]) + _nbytes(a["out_scale"]) + _nbytes(a["positions"])
                 + T * 2 * 32 * a["cos_cache"].element_size())
-    yield ("rope_rotate_quant fp4 H=64", T, "rope_rotate_quant", v4ops.rope_rotate_quant,
+    yield ("rope_rotate_quant fp4 H=64", T, "rope_rotate_quant", compress.rope_rotate_quant,
            lambda s: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes)
 
 

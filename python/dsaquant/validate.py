@@ -55,11 +55,16 @@ def number(name: str, value, kinds=(int, float)) -> None:
 
 
 def epsilon(name: str, value) -> None:
-    """A norm's epsilon: a finite Python number >= 0. A negative epsilon can make `var + eps` negative and
-    its square root NaN for ordinary rows; 0 is allowed (the exact-arithmetic tests use it, SPEC §5)."""
+    """A norm's epsilon: a finite Python number > 0 that stays > 0 and finite once rounded to fp32 (every
+    backend adds it to the variance in fp32). A negative epsilon can make `var + eps` negative and its square
+    root NaN for ordinary rows; with an epsilon of 0 a row of zeros (under LayerNorm any constant row)
+    normalises to 0 * inf = NaN."""
     number(name, value)
-    if value < 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+    as_fp32 = torch.tensor(float(value), dtype=torch.float32).item()
+    if as_fp32 == 0 or math.isinf(as_fp32):
+        raise ValueError(f"{name}: expected a number > 0 and finite in fp32, got {value!r} (fp32: {as_fp32!r})")
 
 
 def flag(name: str, value) -> None:

@@ -47,7 +47,7 @@ def _rope(cos_cache=None, sin_cache=None, freqs=None):
 
 
 def _device(t: torch.Tensor) -> int:
-    """The device index the library makes current for the launch (0 for CPU tensors: only tests/test_v4_host.py's
+    """The device index the library makes current for the launch (0 for CPU tensors: only tests/test_compress_host.py's
     emulated library is ever driven with them)."""
     return 0 if t.device.type == "cpu" else t.device.index
 
@@ -150,7 +150,7 @@ def make_ops(lib):
                     cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode, layout, scale_rule,
                     rounding, scale_fmt, fp8_flavour, preshuffle, hadamard_on, bf16_after, freqs, update_state,
                     page_size):
-        """SPEC §7.6 (signature: reference/compress.py compress_kv): one launch (kernels/cuda/v4.cu)."""
+        """SPEC §7.6 (signature: reference/compress.py compress_kv): one launch (kernels/cuda/compress.cu)."""
         T, C = kv.shape
         D = C // 2 if overlap else C
         state_slot, cu_seqlens, start_pos, out_slots = (_dense(t) for t in (state_slot, cu_seqlens, start_pos,
@@ -178,7 +178,7 @@ def make_ops(lib):
 
     def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim, out_scale, group_size, shuffle_scale,
                           hadamard_on, rounding):
-        """SPEC §7.7 (signature: reference/compress.py rope_rotate_quant): one launch (kernels/cuda/v4.cu)."""
+        """SPEC §7.7 (signature: reference/compress.py rope_rotate_quant): one launch (kernels/cuda/compress.cu)."""
         T, H, D = x.shape
         positions = _dense(positions)
         rope, keep = _rope(cos_cache, sin_cache)

@@ -1,7 +1,7 @@
 """SPEC §7.6 (the DeepSeek-V4 compressor, `compress_kv`) and §7.7 (query-side RoPE + rotate + quant,
 `rope_rotate_quant`), as torch reference implementations.
 
-Like reference/ops.py, these functions assume validated arguments (dsaquant.v4ops checks them first), run on
+Like reference/ops.py, these functions assume validated arguments (dsaquant.compress checks them first), run on
 any device, and build every arithmetic step from the §0-§6 helpers. Slots at or past a cache's capacity, and
 ring slots outside the ring, are skipped and raise the device error flag SLOT_OUT_OF_RANGE (errors.py).
 """
@@ -93,7 +93,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
                 cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode, layout, scale_rule,
                 rounding, scale_fmt, fp8_flavour, preshuffle, hadamard_on, bf16_after, freqs, update_state,
                 page_size):
-    """SPEC §7.6, for validated arguments (see dsaquant.v4ops.compress_kv for the contract).
+    """SPEC §7.6, for validated arguments (see dsaquant.compress.compress_kv for the contract).
 
     kv, score [T, C] fp32/bf16 (C = (1+overlap)*D); ape [ratio, C] fp32; state_kv, state_score [N_ring, R, C] fp32;
     state_slot [B]; cu_seqlens [B+1]; start_pos [B]; norm_weight [D]; cos_cache/sin_cache [max_pos, 32] or
@@ -198,7 +198,7 @@ def fp8_group_quantize(x: torch.Tensor, flavour: str, group: int):
 
 def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim, out_scale, group_size, shuffle_scale,
                       hadamard_on, rounding):
-    """SPEC §7.7, for validated arguments (see dsaquant.v4ops.rope_rotate_quant). x [T, H, D] -> tail interleaved
+    """SPEC §7.7, for validated arguments (see dsaquant.compress.rope_rotate_quant). x [T, H, D] -> tail interleaved
     RoPE (fp32, not rounded) -> optional Hadamard over D -> by out's dtype: FP4 (u8/fp4x2 [T, H, D/2], recip,
     scales shuffled into the aiter q-scale layout or dense [T, H, D/group]), FP8 ([T, H, D], fp32 group scales)
     or x's half dtype (out may alias x)."""

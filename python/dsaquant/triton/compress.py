@@ -1,6 +1,6 @@
 """The `triton` backend's DeepSeek-V4 compressor, SPEC §7.6 `compress_kv`: kernels and the host wrapper.
 
-`compress_kv` below has exactly the signature of reference.compress.compress_kv (dsaquant.v4ops validates
+`compress_kv` below has exactly the signature of reference.compress.compress_kv (dsaquant.compress validates
 the arguments and calls it positionally) and writes the same bytes: the cache rows of every boundary token
 and, with update_state, the fp32 ring rows of the last K tokens of every sequence.
 
@@ -41,6 +41,7 @@ import triton.language as tl
 from .. import codes, errors
 from ..codes import QuantMode, Rounding, ScaleRule, code_of
 from . import formats as F
+from . import layouts as L
 from .formats import (KIND_BF16, KIND_F32, amax_tile, as_bits, canon_nan, cast_for_store, exp_ds,
                       fake_quant_ue8m0_tile, fake_quant_values, fp4_quant_tile, fp8_group_quant, hadamard_row,
                       load_f32, pow2, pow2_inv, rms_norm_row, rope_tail_row, round_bf16, ue8m0_pack)
@@ -295,24 +296,21 @@ def _compress_rows(i, pb, spb, rslot, act, kv_ptr, s_kv, sc_ptr, s_sc, ape_ptr, 
         st4 = tl.reshape(tl.broadcast_to(st[:, None], (ROWS, 4)), (ROWS * 4,))
         b16 = tl.arange(0, 16)[None, :]
         if AITER:
-            # §6 aiter_fp4: payload bytes 16g..16g+15 at ((n*4 + g)*P + o)*16, exponent g at (n*4 + g)*P + sflat(o)
-            tl.store(cache_ptr + ((((n4 * 4 + blk) * P + o4) * 16)[:, None] + b16), q, mask=st4[:, None])
-            sf = (o4 % 16) * (P // 16) + o4 // 16
-            tl.store(cscale_ptr + ((n4 * 4 + blk) * P + sf), e.to(tl.uint8), mask=st4)
+            # §6 aiter_fp4: payload tile blk and the exponent of block blk
+            tl.store(cache_ptr + (L.aiter_fp4_payload_at(n4, o4, blk, P)[:, None] + b16), q, mask=st4[:, None])
+            sf = L.aiter_sflat(o4, P)
+            tl.store(cscale_ptr + L.aiter_fp4_exponent_at(n4, sf, blk, P), e.to(tl.uint8), mask=st4)
         else:
-            # §6 packed68: payload at n*P*68 + 64*o (+16g), exponents at n*P*68 + 64*P + 4*o (+g)
-            base = n4 * (P * 68)
-            tl.store(cache_ptr + ((base + 64 * o4 + 16 * blk)[:, None] + b16), q, mask=st4[:, None])
-            tl.store(cache_ptr + (base + 64 * P + 4 * o4 + blk), e.to(tl.uint8), mask=st4)
+            # §6 packed68: payload bytes 16*blk.. and the exponent of block blk
+            tl.store(cache_ptr + ((L.packed68_payload_at(n4, o4, P) + 16 * blk)[:, None] + b16), q, mask=st4[:, None])
+            tl.store(cache_ptr + (L.packed68_exponent_at(n4, o4, P) + blk), e.to(tl.uint8), mask=st4)
     else:
         # §4 k rule, fp8_132 (§6), preshuffled when presh != 0
         codes, s = fp8_group_quant(y, F.ONE_EM4, ue8m0, BIAS, FMAX, FNUZ, HW_FP8, NATIVE)
-        base = n * (P * 132)
-        oo = o[:, None]
-        d = dd[None, :]
-        off = tl.where(presh != 0, (oo // 16) * 2048 + (d // 16) * 256 + (oo % 16) * 16 + (d % 16), 128 * oo + d)
+        base = L.fp8_132_page_at(n, P)
+        off = L.fp8_132_data_in_page(o[:, None], dd[None, :], presh)
         tl.store(cache_ptr + (base[:, None] + off), codes.to(tl.uint8), mask=st[:, None])
-        _store_f32_bytes(cache_ptr, base + 128 * P + 4 * o, s, st)
+        _store_f32_bytes(cache_ptr, base + L.fp8_132_scale_in_page(o, P), s, st)
     return (tl.max(bad_slot.to(tl.int32), axis=0) * SLOT_ERR) | (tl.max(bad_pos.to(tl.int32), axis=0) * POS_ERR)
 
 
@@ -481,7 +479,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
                 cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode, layout, scale_rule,
                 rounding, scale_fmt, fp8_flavour, preshuffle, hadamard_on, bf16_after, freqs, update_state,
                 page_size):
-    """SPEC §7.6 (same arguments as reference.compress.compress_kv; see dsaquant.v4ops.compress_kv).
+    """SPEC §7.6 (same arguments as reference.compress.compress_kv; see dsaquant.compress.compress_kv).
 
     kv, score [T, C] fp32/bf16 (rows may be strided); ape [ratio, C] fp32; state_kv, state_score
     [N_ring, R, C] fp32; state_slot [B] int32; cu_seqlens [B+1] int32; start_pos [B] int64; norm_weight [D]

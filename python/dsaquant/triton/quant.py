@@ -33,6 +33,7 @@ import triton.language as tl
 from .. import errors
 from ..codes import Rounding, code_of
 from . import formats as F
+from . import layouts as L
 from .formats import (KIND_BF16, KIND_F16, KIND_F32, RULE_PACK, RULE_RECIP, amax_tile, canon_nan, canonical_sum4,
                       cast_for_store, fake_quant_e4m3_tile, fake_quant_ue8m0_tile, fp4_quant_tile, fp8_encode_scaled,
                       hadamard4, load_f32, pow2, rms_inv, rope_interleaved_tile, rope_pair, round_bf16, round_to)
@@ -193,11 +194,9 @@ def _fp8_row(t0, t1, t2, t3, IS_Q: tl.constexpr, ue8m0, BIAS: tl.constexpr, FMAX
 @triton.jit
 def _fp8_132_tile_off(base, o, k: tl.constexpr, presh):
     """Byte offsets [R, 32] of data bytes 32k..32k+31 of slots at page base `base` [R], position o [R],
-    plain (128*o + d) or preshuffled ((o/16)*2048 + (d/16)*256 + (o%16)*16 + d%16) when presh != 0."""
+    plain or preshuffled when presh != 0 (layouts.fp8_132_data_in_page)."""
     d = tl.arange(0, 32)[None, :] + 32 * k
-    oo = o[:, None]
-    shuffled = (oo // 16) * 2048 + (d // 16) * 256 + (oo % 16) * 16 + (d % 16)
-    return base[:, None] + tl.where(presh != 0, shuffled, 128 * oo + d)
+    return base[:, None] + L.fp8_132_data_in_page(o[:, None], d, presh)
 
 
 @triton.jit
@@ -210,19 +209,19 @@ def _store_f32_bytes(ptr, off, x, mask):
 
 @triton.jit
 def _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, p0, p1, p2, p3, e0, e1, e2, e3, mask):
-    """SPEC §6 aiter_fp4: payload tile k (bytes 16k..16k+15) at ((n*4 + k)*P + o)*16; exponent of
-    block g at (n*4 + g)*P + sflat(o), sflat(o) = (o % 16)*(P/16) + o/16."""
+    """SPEC §6 aiter_fp4 (layouts.aiter_fp4_payload_at / aiter_fp4_exponent_at): payload tiles p0..p3 [R, 16]
+    and block exponents e0..e3 [R] of slots [R]."""
     n = slot // P
     o = slot % P
-    _store_bytes16(kv_ptr, ((n * 4 + 0) * P + o) * 16, p0, mask)
-    _store_bytes16(kv_ptr, ((n * 4 + 1) * P + o) * 16, p1, mask)
-    _store_bytes16(kv_ptr, ((n * 4 + 2) * P + o) * 16, p2, mask)
-    _store_bytes16(kv_ptr, ((n * 4 + 3) * P + o) * 16, p3, mask)
-    sf = (o % 16) * (P // 16) + o // 16
-    tl.store(kvs_ptr + ((n * 4 + 0) * P + sf), e0.to(tl.uint8), mask=mask)
-    tl.store(kvs_ptr + ((n * 4 + 1) * P + sf), e1.to(tl.uint8), mask=mask)
-    tl.store(kvs_ptr + ((n * 4 + 2) * P + sf), e2.to(tl.uint8), mask=mask)
-    tl.store(kvs_ptr + ((n * 4 + 3) * P + sf), e3.to(tl.uint8), mask=mask)
+    _store_bytes16(kv_ptr, L.aiter_fp4_payload_at(n, o, 0, P), p0, mask)
+    _store_bytes16(kv_ptr, L.aiter_fp4_payload_at(n, o, 1, P), p1, mask)
+    _store_bytes16(kv_ptr, L.aiter_fp4_payload_at(n, o, 2, P), p2, mask)
+    _store_bytes16(kv_ptr, L.aiter_fp4_payload_at(n, o, 3, P), p3, mask)
+    sf = L.aiter_sflat(o, P)
+    tl.store(kvs_ptr + L.aiter_fp4_exponent_at(n, sf, 0, P), e0.to(tl.uint8), mask=mask)
+    tl.store(kvs_ptr + L.aiter_fp4_exponent_at(n, sf, 1, P), e1.to(tl.uint8), mask=mask)
+    tl.store(kvs_ptr + L.aiter_fp4_exponent_at(n, sf, 2, P), e2.to(tl.uint8), mask=mask)
+    tl.store(kvs_ptr + L.aiter_fp4_exponent_at(n, sf, 3, P), e3.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -281,20 +280,18 @@ def _indexer_q_rows(pid, q_ptr, sq_t, sq_h, w_ptr, sw_t, sw_h, wo_ptr, swo_t, sw
         _store_bytes16(qo_ptr, r * 64 + 16, q1, act)
         _store_bytes16(qo_ptr, r * 64 + 32, q2, act)
         _store_bytes16(qo_ptr, r * 64 + 48, q3, act)
-        # q scales [T, 1, 4, 16, qs_pad]: token t, group g, head h at ((t*4 + g)*16 + h%16)*qs_pad + h/16
-        hs = (h % 16) * qs_pad
-        tb = t * (64 * qs_pad)
-        tl.store(qs_ptr + (tb + 0 * 16 * qs_pad + hs + h // 16), e0.to(tl.uint8), mask=act)
-        tl.store(qs_ptr + (tb + 1 * 16 * qs_pad + hs + h // 16), e1.to(tl.uint8), mask=act)
-        tl.store(qs_ptr + (tb + 2 * 16 * qs_pad + hs + h // 16), e2.to(tl.uint8), mask=act)
-        tl.store(qs_ptr + (tb + 3 * 16 * qs_pad + hs + h // 16), e3.to(tl.uint8), mask=act)
+        # q scales [T, 1, 4, 16, qs_pad] (layouts.aiter_q_scale_at, 4 groups a token)
+        tl.store(qs_ptr + L.aiter_q_scale_at(t, 0, h, 4, qs_pad), e0.to(tl.uint8), mask=act)
+        tl.store(qs_ptr + L.aiter_q_scale_at(t, 1, h, 4, qs_pad), e1.to(tl.uint8), mask=act)
+        tl.store(qs_ptr + L.aiter_q_scale_at(t, 2, h, 4, qs_pad), e2.to(tl.uint8), mask=act)
+        tl.store(qs_ptr + L.aiter_q_scale_at(t, 3, h, 4, qs_pad), e3.to(tl.uint8), mask=act)
         # pad columns H/16 .. qs_pad-1 are written 0 by the rows of heads 0..15
         hb = H // 16
         jj = tl.arange(0, 4)[None, :]
         padm = act[:, None] & (h[:, None] < 16) & (jj < qs_pad - hb)
         zero = tl.zeros((R, 4), tl.uint8)
         for g in tl.static_range(4):
-            tl.store(qs_ptr + ((tb + g * 16 * qs_pad + hs + hb)[:, None] + jj), zero, mask=padm)
+            tl.store(qs_ptr + ((L.aiter_q_scale_at(t, g, h % 16, 4, qs_pad) + hb)[:, None] + jj), zero, mask=padm)
         # weights: copied, cast to weights_out's dtype (reference `cast`: canonical NaN)
         w = load_f32(w_ptr, w_off, act, W_KIND, NATIVE)
         tl.store(wo_ptr + wo_off, cast_for_store(w, WO_KIND), mask=act)
@@ -356,13 +353,13 @@ def _indexer_k_rows(pid, k_ptr, sk_t, kv_ptr, kvs_ptr, slot_ptr, s_slot, pos_ptr
         _aiter_fp4_store(kv_ptr, kvs_ptr, slot, P, q0, q1, q2, q3, e0, e1, e2, e3, act)
     else:
         c0, c1, c2, c3, s = _fp8_row(y0, y1, y2, y3, False, ue8m0, BIAS, FMAX, INV_FMAX, FNUZ, HW_FP8, NATIVE)
-        base = n * (P * 132)
+        base = L.fp8_132_page_at(n, P)
         m = act[:, None]
         tl.store(kv_ptr + _fp8_132_tile_off(base, o, 0, presh), c0.to(tl.uint8), mask=m)
         tl.store(kv_ptr + _fp8_132_tile_off(base, o, 1, presh), c1.to(tl.uint8), mask=m)
         tl.store(kv_ptr + _fp8_132_tile_off(base, o, 2, presh), c2.to(tl.uint8), mask=m)
         tl.store(kv_ptr + _fp8_132_tile_off(base, o, 3, presh), c3.to(tl.uint8), mask=m)
-        _store_f32_bytes(kv_ptr, base + 128 * P + 4 * o, s, act)
+        _store_f32_bytes(kv_ptr, base + L.fp8_132_scale_in_page(o, P), s, act)
 
 
 @triton.jit(do_not_specialize=["ue8m0", "presh", "all_q"])
@@ -421,15 +418,15 @@ def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s
     q1, e1 = _sglang_two_stage(y1, POLICY, R, NATIVE, PACKED_FP4)
     q2, e2 = _sglang_two_stage(y2, POLICY, R, NATIVE, PACKED_FP4)
     q3, e3 = _sglang_two_stage(y3, POLICY, R, NATIVE, PACKED_FP4)
-    # packed68 (SPEC §6): payload at n*P*68 + 64*o, exponents at n*P*68 + 64*P + 4*o
+    # packed68 (SPEC §6)
     n = slot // P
     o = slot % P
-    base = n * (P * 68) + 64 * o
+    base = L.packed68_payload_at(n, o, P)
     _store_bytes16(cache_ptr, base, q0, act)
     _store_bytes16(cache_ptr, base + 16, q1, act)
     _store_bytes16(cache_ptr, base + 32, q2, act)
     _store_bytes16(cache_ptr, base + 48, q3, act)
-    sb = n * (P * 68) + 64 * P + 4 * o
+    sb = L.packed68_exponent_at(n, o, P)
     tl.store(cache_ptr + sb, e0.to(tl.uint8), mask=act)
     tl.store(cache_ptr + (sb + 1), e1.to(tl.uint8), mask=act)
     tl.store(cache_ptr + (sb + 2), e2.to(tl.uint8), mask=act)
@@ -535,20 +532,22 @@ def _v4_k_kernel(kv_ptr, skv_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, cos_ptr, sin_
     q1, e1 = fp4_quant_tile(y1, RULE_RECIP, POLICY, R, NATIVE)
     q2, e2 = fp4_quant_tile(y2, RULE_RECIP, POLICY, R, NATIVE)
     q3, e3 = fp4_quant_tile(y3, RULE_RECIP, POLICY, R, NATIVE)
-    # dense: payload at slot*64 (+16k), exponents at slot*4 (+g); otherwise the aiter_fp4 layout (P = 1 when
-    # dense, so the shared offsets below stay in range either way)
+    # the dense layout (payload tile k at slot*64 + 16k, exponent g at slot*4 + g), otherwise aiter_fp4 (P = 1
+    # when dense, so the shared offsets below stay in range either way)
     n = slot // P
     o = slot % P
     dn = dense != 0
-    sf = (o % 16) * (P // 16) + o // 16
-    _store_bytes16(cache_ptr, tl.where(dn, slot * 64, ((n * 4 + 0) * P + o) * 16), q0, act)
-    _store_bytes16(cache_ptr, tl.where(dn, slot * 64 + 16, ((n * 4 + 1) * P + o) * 16), q1, act)
-    _store_bytes16(cache_ptr, tl.where(dn, slot * 64 + 32, ((n * 4 + 2) * P + o) * 16), q2, act)
-    _store_bytes16(cache_ptr, tl.where(dn, slot * 64 + 48, ((n * 4 + 3) * P + o) * 16), q3, act)
-    tl.store(scale_ptr + tl.where(dn, slot * 4, (n * 4 + 0) * P + sf), e0.to(tl.uint8), mask=act)
-    tl.store(scale_ptr + tl.where(dn, slot * 4 + 1, (n * 4 + 1) * P + sf), e1.to(tl.uint8), mask=act)
-    tl.store(scale_ptr + tl.where(dn, slot * 4 + 2, (n * 4 + 2) * P + sf), e2.to(tl.uint8), mask=act)
-    tl.store(scale_ptr + tl.where(dn, slot * 4 + 3, (n * 4 + 3) * P + sf), e3.to(tl.uint8), mask=act)
+    sf = L.aiter_sflat(o, P)
+    dp = L.dense_fp4_payload_at(slot)
+    de = L.dense_fp4_exponent_at(slot)
+    _store_bytes16(cache_ptr, tl.where(dn, dp, L.aiter_fp4_payload_at(n, o, 0, P)), q0, act)
+    _store_bytes16(cache_ptr, tl.where(dn, dp + 16, L.aiter_fp4_payload_at(n, o, 1, P)), q1, act)
+    _store_bytes16(cache_ptr, tl.where(dn, dp + 32, L.aiter_fp4_payload_at(n, o, 2, P)), q2, act)
+    _store_bytes16(cache_ptr, tl.where(dn, dp + 48, L.aiter_fp4_payload_at(n, o, 3, P)), q3, act)
+    tl.store(scale_ptr + tl.where(dn, de, L.aiter_fp4_exponent_at(n, sf, 0, P)), e0.to(tl.uint8), mask=act)
+    tl.store(scale_ptr + tl.where(dn, de + 1, L.aiter_fp4_exponent_at(n, sf, 1, P)), e1.to(tl.uint8), mask=act)
+    tl.store(scale_ptr + tl.where(dn, de + 2, L.aiter_fp4_exponent_at(n, sf, 2, P)), e2.to(tl.uint8), mask=act)
+    tl.store(scale_ptr + tl.where(dn, de + 3, L.aiter_fp4_exponent_at(n, sf, 3, P)), e3.to(tl.uint8), mask=act)
 
 
 # ---------------------------------------------------------------------------------------------------

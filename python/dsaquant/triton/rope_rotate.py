@@ -1,7 +1,7 @@
 """The `triton` backend's query-side RoPE + rotate + quant, SPEC §7.7 `rope_rotate_quant` (compat: aiter
 `rope_rotate_activation`): kernel and host wrapper.
 
-`rope_rotate_quant` below has exactly the signature of reference.compress.rope_rotate_quant (dsaquant.v4ops
+`rope_rotate_quant` below has exactly the signature of reference.compress.rope_rotate_quant (dsaquant.compress
 validates the arguments and calls it positionally) and writes the same bytes. One launch per call, no host
 sync. Each program takes ROWS (token, head) rows of x [T, H, D] as one [ROWS, D] fp32 tile: tail RoPE with
 interleaved pairs on the last 64 dims (fp32, not rounded), the optional Hadamard over D (times fl(D^-0.5)),
@@ -30,6 +30,7 @@ from .. import codes, errors
 from ..codes import Rounding, code_of
 from ..reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES
 from . import formats as F
+from . import layouts as L
 from .formats import (amax_tile, cast_for_store, fp4_encode_tile, fp8_group_quant, hadamard_row, load_f32,
                       pack_nibbles_row, rope_tail_row, ue8m0_recip)
 from .quant import as_u8, launch_from_env, launch_modes, tensor_kind
@@ -79,17 +80,16 @@ def _rope_rotate_kernel(x_ptr, sx_t, sx_h, pos_ptr, s_pos, cos_ptr, sin_ptr, s_c
                  mask=am)
         e2 = tl.reshape(e, (ROWS, NG)).to(tl.uint8)
         if SHUFFLE:
-            # [T, D/128, 4, 16, qs_pad]: group gg (= 4*k_tile + g) of head h of token t at
-            # ((t*NG + gg)*16 + h%16)*qs_pad + h/16; pad columns H/16 .. qs_pad-1 written 0 by heads 0..15
-            tg = t[:, None] * NG + gg
-            tl.store(scale_ptr + ((tg * 16 + (h % 16)[:, None]) * qs_pad + (h // 16)[:, None]), e2, mask=am)
+            # [T, D/128, 4, 16, qs_pad] (layouts.aiter_q_scale_at); pad columns H/16 .. qs_pad-1 written 0 by
+            # heads 0..15
+            tl.store(scale_ptr + L.aiter_q_scale_at(t[:, None], gg, h[:, None], NG, qs_pad), e2, mask=am)
             hb = H // 16
             jj = tl.arange(0, 4)[None, None, :]
             padm = (act & (h < 16))[:, None, None] & (jj < qs_pad - hb)
-            poff = (tg[:, :, None] * 16 + h[:, None, None]) * qs_pad + hb + jj
+            poff = L.aiter_q_scale_at(t[:, None, None], gg[:, :, None], (h % 16)[:, None, None], NG, qs_pad) + hb + jj
             tl.store(scale_ptr + poff, tl.zeros((ROWS, NG, 4), tl.uint8), mask=padm)
         else:
-            tl.store(scale_ptr + ((r * NG)[:, None] + gg), e2, mask=am)
+            tl.store(scale_ptr + L.dense_q_scale_at(r[:, None], gg, NG), e2, mask=am)
     elif OUT == OUT_FP8:
         codes, sc = fp8_group_quant(tl.reshape(y, (ROWS * NG, G)), F.ONE_EM10, 0, BIAS, FMAX, FNUZ, HW_FP8, NATIVE)
         tl.store(out_ptr + ((r * D)[:, None] + d), tl.reshape(codes, (ROWS, D)).to(tl.uint8), mask=am)
@@ -147,7 +147,7 @@ def prepare_rope_rotate(out, x, cos_cache, sin_cache, positions, rope_dim, out_s
 
 def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim, out_scale, group_size, shuffle_scale,
                       hadamard_on, rounding):
-    """SPEC §7.7 (same arguments as reference.compress.rope_rotate_quant; see dsaquant.v4ops.rope_rotate_quant).
+    """SPEC §7.7 (same arguments as reference.compress.rope_rotate_quant; see dsaquant.compress.rope_rotate_quant).
 
     x [T, H, D] bf16/fp16/fp32 (D in 128..1024, H a power of two); cos_cache, sin_cache [max_pos, 32];
     positions [T] int32/int64; out by dtype: uint8/float4_e2m1fn_x2 [T, H, D/2] with out_scale uint8 (shuffled

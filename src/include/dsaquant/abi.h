@@ -5,7 +5,7 @@
  * returns the cudaError_t / hipError_t code of the launch (0: launched). Pointers are raw device pointers,
  * strides are in elements, dtype and option fields hold the codes of dsaquant/codes.h. `device` is the
  * device index of the op's tensors: the call makes it current for the launch and restores the caller's.
- * The kernels take these structs by value (kernels/cuda/indexer.h, v4_args.h).
+ * The kernels take these structs by value (kernels/cuda/indexer.h, compress_args.h).
  *
  * Each struct's fields are listed once, as an X-macro X(type, name); the list expands into the struct and
  * into the layout table that dsq_abi_field() reports, against which tests check the ctypes mirror

@@ -8,7 +8,7 @@
 //   y   = canonical sum of fl(fl(e_k / S) * kv_k), the term +0 for excluded rows
 // and y is NaN when any included sig_k is NaN or +Inf, or when every included sig_k is -Inf (or none is
 // included). The pieces below are what a kernel distributes over threads; pool_window<K> is the whole pool
-// in one thread, for the host tests (tests/test_header_v4_host.py holds both to reference.compress.pool).
+// in one thread, for the host tests (tests/test_header_compress_host.py holds both to reference.compress.pool).
 #pragma once
 
 #include "arith.h"

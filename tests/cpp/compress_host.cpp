@@ -1,4 +1,4 @@
-// Host emulator of the DeepSeek-V4 kernels (kernels/cuda/v4_body.cuh), for tests only.
+// Host emulator of the DeepSeek-V4 kernels (kernels/cuda/compress_body.cuh), for tests only.
 //
 // The kernel bodies run unchanged on the CPU: every thread of a block is a cooperative fiber (ucontext), the
 // block barrier and the 32-lane warp shuffles are rendezvous points of the fibers, and the blocks of a grid run
@@ -8,7 +8,7 @@
 // (python/dsaquant/backends/compiled.py make_ops) drives this library through the same C interface as
 // libdsaquant_cuda.so (dsaquant/abi.h: dsq_compress_kv, dsq_rope_rotate_quant, dsq_error_string), plus the
 // dsq_emu_* entry points below for the tests. An error (a C++ exception) returns 1; dsq_error_string(1) names it.
-// Built by tests/test_v4_host.py with g++ -O2 -std=c++17 -ffp-contract=off -fno-fast-math (SPEC §0).
+// Built by tests/test_compress_host.py with g++ -O2 -std=c++17 -ffp-contract=off -fno-fast-math (SPEC §0).
 #include <ucontext.h>
 
 #include <algorithm>
@@ -22,11 +22,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "v4_args.h"
+#include "compress_args.h"
 
 namespace emu {
 
-constexpr int kN = 256;                  // threads per block (v4_body.cuh kThreads)
+constexpr int kN = 256;                  // threads per block (compress_body.cuh kThreads)
 constexpr size_t kStack = 256 * 1024;    // bytes of stack per fiber
 
 struct Fiber {
@@ -174,7 +174,7 @@ inline int shfl_xor_i(int v, int s) { return emu::shuffle(emu::g->slot_i, v, s);
 inline void atomic_or(int* p, int v) { *p |= v; }
 }  // namespace dsqv4
 
-#include "v4_body.cuh"
+#include "compress_body.cuh"
 
 namespace {
 
@@ -217,7 +217,7 @@ void compress_kv(const dsqv4::CompressArgs& a) {
   }
 }
 
-// The distributed pool alone (v4_body.cuh pool_row: SPEC §7.6 step 2 over all D columns) for the boundaries
+// The distributed pool alone (compress_body.cuh pool_row: SPEC §7.6 step 2 over all D columns) for the boundaries
 // (i, p, b) given: returns their pooled rows [N, D] in fp32, before any rounding point.
 // bs: n boundaries (i, p, b) as int64 triples; out: n rows of D fp32 values.
 template <int K, int D>

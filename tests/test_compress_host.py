@@ -1,14 +1,14 @@
 """The compiled kernels of SPEC §7.6 compress_kv and §7.7 rope_rotate_quant, on the CPU, byte for byte.
 
-kernels/cuda/v4_body.cuh holds the kernel bodies that kernels/cuda/v4.cu launches on NVIDIA (and hipified on AMD).
-tests/cpp/v4_host.cpp runs the same bodies on the host, one cooperative fiber per GPU thread: block barriers and
+kernels/cuda/compress_body.cuh holds the kernel bodies that kernels/cuda/compress.cu launches on NVIDIA (and hipified on AMD).
+tests/cpp/compress_host.cpp runs the same bodies on the host, one cooperative fiber per GPU thread: block barriers and
 32-lane shuffles are rendezvous points, a shuffle that not every lane of its warp reaches is an error, and the
 blocks of a grid run one after another in order, reversed or shuffled (results must not depend on it). The module
 is driven through the compiled backends' own glue (dsaquant.backends.compiled.make_ops), with CPU tensors, and
 every output byte (caches, scale tensors, the whole ring, the error flags) is compared with the reference backend
-(dsaquant.reference.compress) on the same inputs. What this cannot see: the device SIMT layer of v4.cu (a dozen
+(dsaquant.reference.compress) on the same inputs. What this cannot see: the device SIMT layer of compress.cu (a dozen
 lines), the hardware converts (checked against the software forms on the GPU by tests/gpu/test_fp8_native.py),
-races between blocks running at the same time (the design has none: see v4_body.cuh), and the launch itself.
+races between blocks running at the same time (the design has none: see compress_body.cuh), and the launch itself.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dsaquant.backends.compiled import make_ops
 from dsaquant.reference import compress as rc
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [REPO / "tests/cpp/v4_host.cpp", REPO / "kernels/cuda/v4_body.cuh", REPO / "kernels/cuda/v4_args.h",
+SOURCES = [REPO / "tests/cpp/compress_host.cpp", REPO / "kernels/cuda/compress_body.cuh", REPO / "kernels/cuda/compress_args.h",
            *sorted((REPO / "src/include/dsaquant").glob("*.h"))]
 CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -43,8 +43,8 @@ def _build() -> Path:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join([cxx, *CXXFLAGS, sys.version]).encode())
-    out = REPO / "build" / "test_v4_host" / h.hexdigest()[:16]
-    so = out / "libdsq_v4_host.so"
+    out = REPO / "build" / "test_compress_host" / h.hexdigest()[:16]
+    so = out / "libdsq_compress_host.so"
     if so.exists():
         return so
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +327,7 @@ def test_warp_sum_and_hadamard_fp32(emu, n):
 
 @pytest.mark.parametrize("preset", ["dsv4-ref", "aiter", "vllm-v4", "sglang-c4"])
 def test_compress_kv_presets(ops, emu, preset):
-    from dsaquant.v4ops import PRESETS
+    from dsaquant.compress import PRESETS
     p = dict(PRESETS[preset])
     mode = "fp8" if preset == "vllm-v4" else "fp4"
     case = dict(quant_mode=mode, bf16_after=p.pop("bf16_after"), dtype=BF16 if preset in ("aiter", "vllm-v4") else F32,

@@ -1,7 +1,7 @@
-// kernels/cuda/v4_body.cuh: the bodies of the DeepSeek-V4 kernels, SPEC §7.6 compress_kv and §7.7
+// kernels/cuda/compress_body.cuh: the bodies of the DeepSeek-V4 kernels, SPEC §7.6 compress_kv and §7.7
 // rope_rotate_quant, written once against a tiny SIMT layer so that the same code runs on the GPU
-// (kernels/cuda/v4.cu, and hipified for AMD) and under the host emulator of the tests
-// (tests/cpp/v4_host.cpp, one cooperative fiber per thread), which holds it to the reference on the CPU.
+// (kernels/cuda/compress.cu, and hipified for AMD) and under the host emulator of the tests
+// (tests/cpp/compress_host.cpp, one cooperative fiber per thread), which holds it to the reference on the CPU.
 //
 // The includer defines, in namespace dsqv4, before including this file:
 //   V4_FN                      function qualifier (__device__ __forceinline__ / inline)
@@ -17,7 +17,7 @@
 #pragma once
 
 #include "dsaquant/dsaquant.h"
-#include "v4_args.h"
+#include "compress_args.h"
 
 namespace dsqv4 {
 
@@ -167,7 +167,7 @@ V4_FN void fp4_encode_lane(const float (&x)[V], const int (&ex)[Chunks<V>::kMax]
 // =========================================================================================================
 // SPEC §7.6 compress_kv
 //
-// One launch, kThreads threads a block, grid = B + ceil(T / ratio) blocks (v4_args.h compress_grid):
+// One launch, kThreads threads a block, grid = B + ceil(T / ratio) blocks (compress_args.h compress_grid):
 //   - blocks [0, B), one per sequence b ("sequence blocks"): the boundaries among the sequence's first K-1
 //     tokens of the call, then __syncthreads, then (update_state) the ring rows of its last K tokens;
 //   - blocks [B, ...), one per range of `ratio` consecutive tokens ("range blocks"): every other boundary (at most

@@ -2,7 +2,7 @@
 byte for byte, under TRITON_INTERPRET=1 (CPU).
 
 As in tests/test_triton_quant.py, the interpreter runs in worker subprocesses (this file is also the worker:
-`python tests/test_triton_v4.py --worker CASES.json OUT.json`); the parent runs every selected case once
+`python tests/test_triton_compress.py --worker CASES.json OUT.json`); the parent runs every selected case once
 (a session fixture, up to 4 workers) and each parametrized test checks its case's result.
 
 Cases:
@@ -229,10 +229,11 @@ if __name__ != "__main__":
     @pytest.fixture(scope="session")
     def v4_results(request):
         pytest.importorskip("triton")
-        return run_selected(request, HERE, CASES, _cost, "dsq_triton_v4_", "triton interpreter, V4 ops")
+        return run_selected(request, HERE, CASES, _cost, "dsq_triton_compress_",
+                            "triton interpreter, compress_kv and rope_rotate_quant")
 
     @pytest.mark.parametrize("case_id", list(CASES))
-    def test_triton_v4_matches_reference(case_id, v4_results):
+    def test_triton_compress_matches_reference(case_id, v4_results):
         check_result(case_id, v4_results.get(case_id))
 
     def test_ops_registered_with_the_reference_signature():

@@ -1,4 +1,4 @@
-// kernels/cuda/sglang.cu: SPEC §7.2 (sglang-v41 k writer, q packer, rope + fake quant) and §7.3 (aiter's
+// kernels/cuda/kstore_qpack.cu: SPEC §7.2 (sglang-v41 k writer, q packer, rope + fake quant) and §7.3 (aiter's
 // DeepSeek-V4 k writer). One 16-lane group per 128-wide row (row16.cuh), 16 rows per 256-thread block.
 #include "indexer.h"
 #include "row16.cuh"
@@ -17,7 +17,7 @@ __device__ __forceinline__ uint32_t two_stage(unsigned mask, float (&v)[kVals], 
 template <int IN_DT, int CDT, int MODE>
 __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   const int lane = threadIdx.x & 15;
-  const unsigned mask = group_mask();
+  const unsigned mask = group_mask<kLanes>();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + (threadIdx.x >> 4);
   if (t >= a.T) return;
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
@@ -129,7 +129,7 @@ constexpr int kQRowsPerGroup = 1;   // as the indexer kernel
 template <int IN_DT, int MODE>
 __global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
   const int lane = threadIdx.x & 15;
-  const unsigned mask = group_mask();
+  const unsigned mask = group_mask<kLanes>();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * (16 * kQRowsPerGroup) + (threadIdx.x >> 4);
   QRowIn in[kQRowsPerGroup];
 #pragma unroll

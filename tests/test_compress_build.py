@@ -1,9 +1,9 @@
-"""Build checks of the DeepSeek-V4 kernels' translation unit (kernels/cuda/v4.cu: SPEC §7.6 compress_kv, §7.7
+"""Build checks of the DeepSeek-V4 kernels' translation unit (kernels/cuda/compress.cu: SPEC §7.6 compress_kv, §7.7
 rope_rotate_quant) with nvcc and the project's flags (tools/build_native.py nvcc_flags: --fmad=false, no fast
 math), for sm_90a and sm_100a; nothing runs:
 - the PTX holds no fused multiply-add on f32 (SPEC §0.1; the header's own check is tests/test_header_builds.py);
 - ptxas reports every kernel with no spill and no stack frame (the compress kernels keep up to ~250 registers for
-  the large windows, K = 128 / 256, by design: see kernels/cuda/v4.cu).
+  the large windows, K = 128 / 256, by design: see kernels/cuda/compress.cu).
 The HIP side of the same sources is checked by tests/test_hip_build.py.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import build_native as bn  # noqa: E402
 
 NVCC = bn.find_nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin)")
-TU = REPO / "kernels" / "cuda" / "v4.cu"
+TU = REPO / "kernels" / "cuda" / "compress.cu"
 KERNELS = {f"compress_kv_kernel<{k}, {d}>" for k in (4, 8, 128, 256) for d in (128, 512)} | \
           {f"rope_rotate_kernel<{d}>" for d in (128, 256, 512, 1024)}
 

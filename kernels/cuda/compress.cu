@@ -1,13 +1,13 @@
-// kernels/cuda/v4.cu: SPEC §7.6 compress_kv and §7.7 rope_rotate_quant on the GPU. The kernel bodies are
-// v4_body.cuh (shared with the host emulator of tests/cpp/v4_host.cpp); this file supplies the SIMT layer
+// kernels/cuda/compress.cu: SPEC §7.6 compress_kv and §7.7 rope_rotate_quant on the GPU. The kernel bodies are
+// compress_body.cuh (shared with the host emulator of tests/cpp/compress_host.cpp); this file supplies the SIMT layer
 // (thread/block ids, block barrier, 32-lane shuffles, the error-flag atomic), the kernels and the launchers.
 //
 // compress_kv: one launch, 256 threads a block, grid = B sequence blocks + ceil(T / ratio) token-range
 //   blocks; template <K, D> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}); the ring ordering
-//   argument is in v4_body.cuh. Static shared memory: CompressSmem (2 KB).
+//   argument is in compress_body.cuh. Static shared memory: CompressSmem (2 KB).
 // rope_rotate_quant: one launch, one 32-lane warp per (t, h) row, 8 rows per 256-thread block; template <D>.
 // Built with --fmad=false and without fast math (tools/build_native.py; SPEC §0.1).
-#include "v4.h"
+#include "compress.h"
 
 namespace dsqv4 {
 
@@ -24,7 +24,7 @@ __device__ __forceinline__ void atomic_or(int* p, int v) { atomicOr(p, v); }
 
 }  // namespace dsqv4
 
-#include "v4_body.cuh"
+#include "compress_body.cuh"
 
 namespace dsqv4 {
 

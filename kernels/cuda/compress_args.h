@@ -1,6 +1,6 @@
-// kernels/cuda/v4_args.h: argument blocks of the DeepSeek-V4 kernels (SPEC §7.6 compress_kv, §7.7
+// kernels/cuda/compress_args.h: argument blocks of the DeepSeek-V4 kernels (SPEC §7.6 compress_kv, §7.7
 // rope_rotate_quant): the C interface's structs (dsaquant/abi.h), with no CUDA types, so that the library
-// (src/capi.cpp) and the host emulator of the kernels (tests/cpp/v4_host.cpp) take the same structs.
+// (src/capi.cpp) and the host emulator of the kernels (tests/cpp/compress_host.cpp) take the same structs.
 //
 // Pointers are raw device pointers (host pointers under the emulator); strides are in elements; dtype and
 // option fields hold dsaquant/codes.h codes.
@@ -17,7 +17,7 @@ using RopeTable = DsqRope;          // `vec` is not read here
 using CompressArgs = DsqCompressArgs;
 using RotateArgs = DsqRotateArgs;
 
-// Grid of the compress_kv launch (one launch, 256 threads a block, see v4_body.cuh): B sequence blocks, then
+// Grid of the compress_kv launch (one launch, 256 threads a block, see compress_body.cuh): B sequence blocks, then
 // ceil(T / ratio) token-range blocks.
 inline int64_t compress_grid(const CompressArgs& a) { return a.B + (a.T + a.ratio - 1) / a.ratio; }
 // Grid of the rope_rotate_quant launch: one 32-lane warp per (t, h) row, 8 rows a block.
