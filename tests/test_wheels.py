@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import build_native  # noqa: E402
 from build_native import find_nvcc  # noqa: E402
 
 from test_cuda_module import needed_libraries  # noqa: E402
@@ -37,7 +38,8 @@ def wheels(tmp_path_factory):
     env = dict(os.environ, DSAQUANT_PURE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     _pip("wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), env=env)
     # PTX only: the quickest build (no machine code), enough for what is checked here
-    env = dict(os.environ, DSAQUANT_CUDA_ARCHS="compute_80", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env = dict(os.environ, DSAQUANT_CUDA_ARCHS="compute_80", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               DSAQUANT_OLD_GLIBC_SYMBOLS="1")   # as ci/build_wheels.sh links it
     _pip("wheel", "plugins/cuda13", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), env=env)
     return sorted(out.glob("*.whl"))
 
@@ -58,6 +60,10 @@ def test_plugin_is_one_wheel_for_every_python_and_links_no_torch(wheels, tmp_pat
         libs
     assert set(libs) <= abi.SYSTEM_LIBRARIES, libs   # no libcuda.so.1: the static runtime opens the driver itself
     assert check_library.check("cuda", so, "compute_80") == []
+    # linked as ci/build_wheels.sh links it: no glibc symbol version newer than 2.17 (manylinux_2_17), whatever glibc
+    # this machine has
+    versions = {v for sec, v, _ in build_native._dynamic_glibc_symbols(str(so)) if sec == "*UND*"}
+    assert max(map(build_native._glibc_version, versions)) <= (2, 17), sorted(versions)
 
 
 def test_fresh_venv_install_and_info(wheels, tmp_path):

@@ -42,7 +42,7 @@ int dsq_fp8_selfcheck_launch(uint64_t start, uint64_t count, unsigned long long*
 
 int dsq_kernel_code_query(int* ptx, int* binary) {
   cudaFuncAttributes attr{};
-  const cudaError_t err = cudaFuncGetAttributes(&attr, dsqk::exp_ds_kernel);
+  const cudaError_t err = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(dsqk::exp_ds_kernel));
   if (err != cudaSuccess) {
     static_cast<void>(cudaGetLastError());   // not left behind for the next launch's cudaGetLastError
     return static_cast<int>(err);
