@@ -4,7 +4,8 @@
 # installed into a fresh target directory, then
 #   1. `python -m dsaquant info` from there: the plugin found, and which device code runs on this GPU
 #      ("cubin sm_90a", or "PTX compute_80, JIT-compiled for sm_XY");
-#   2. the GPU byte-exact suite (GPU_TESTS, default tests/gpu/test_backend_exact.py) against the installed copy;
+#   2. the device-code checks and the GPU byte-exact suite (GPU_TESTS, default tests/gpu/test_device_code_gpu.py
+#      tests/gpu/test_backend_exact.py) against the installed copy;
 #   3. the host overhead per eager call of indexer_qk_rope_quant_and_cache at T = 1 (H = 64, FP8) with
 #      backend="cuda": N calls (OVERHEAD_CALLS, default 2000) after a warm-up, torch.cuda.synchronize() only at the
 #      end, wall-clock per call in µs (the GPU time of one such launch is a few µs: the figure is the host's).
@@ -38,7 +39,7 @@ PY
 
 # --rootdir/-c: the repository's test configuration, the package from $target (the tree's python/ is not on the path).
 timeout ${GPU_TESTS_TIMEOUT:-150} "$py" -m pytest -q -p no:cacheprovider -rf --rootdir "$repo" -c "$repo/pyproject.toml" \
-  ${GPU_TESTS:-tests/gpu/test_backend_exact.py} >"$OUT/wheel_gpu_tests.log" 2>&1 || status=1
+  ${GPU_TESTS:-tests/gpu/test_device_code_gpu.py tests/gpu/test_backend_exact.py} >"$OUT/wheel_gpu_tests.log" 2>&1 || status=1
 grep -E " FAILED| ERROR" "$OUT/wheel_gpu_tests.log" | head -20
 tail -3 "$OUT/wheel_gpu_tests.log"
 

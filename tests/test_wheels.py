@@ -121,7 +121,7 @@ def test_rocm_wheel_contents(tmp_path):
     assert "-py3-none-" in whl.name and whl.name.endswith("_x86_64.whl"), whl.name
     with zipfile.ZipFile(whl) as z:
         names = sorted(z.namelist())
-        assert [n for n in names if not n.startswith("dsaquant_rocm7-0.1.0.dist-info/")] == \
+        assert [n for n in names if not n.startswith("dsaquant_rocm7-0.1.0.dist-info/") and not n.endswith("/")] == \
             ["dsaquant_rocm7/__init__.py", "dsaquant_rocm7/libdsaquant_hip.so"], names
         so = Path(z.extract("dsaquant_rocm7/libdsaquant_hip.so", tmp_path / "x"))
     blob = so.read_bytes()

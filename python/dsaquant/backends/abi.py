@@ -95,6 +95,9 @@ C_INTERFACE = frozenset({"dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress
 TOPK_EXPORTS = frozenset({"dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"})
 CUDA_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout"}
 HIP_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_hip_fp4_selfcheck"}
+# Besides those the HIP library exports its kernels (clang keeps a HIP kernel visible whatever -fvisibility says: the
+# runtime finds it by name), all in dsaquant's namespaces, and each file's __hip_cuid_ marker.
+HIP_KERNEL_SYMBOL = r"^(_ZN\d+dsq\w+|__hip_cuid_[0-9a-f]+)$"
 # The shared libraries they may need (readelf -d: NEEDED): glibc's and the C++ runtime's, and on AMD the HIP runtime.
 # Never the NVIDIA driver (libcuda.so.1, which the statically linked CUDA runtime opens at run time), a shared CUDA
 # runtime, Python or libtorch.
