@@ -71,13 +71,16 @@ def test_fresh_venv_install_and_info(wheels, tmp_path):
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
     torch_spec = os.environ.get("DSAQUANT_TEST_TORCH", "torch==2.13.0")
-    _pip("install", "-q", torch_spec, "numpy", python=py)
-    _pip("install", "-q", "--no-deps", *map(str, wheels), python=py)
-    run = subprocess.run([py, "-m", "dsaquant", "info"], capture_output=True, text=True, cwd=tmp_path, check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # the installed copy, not a source tree
+    _pip("install", "-q", torch_spec, "numpy", python=py, env=env)
+    _pip("install", "-q", "--no-deps", *map(str, wheels), python=py, env=env)
+    run = subprocess.run([py, "-m", "dsaquant", "info"], capture_output=True, text=True, cwd=tmp_path, check=True,
+                         env=env)
     print(run.stdout)
     assert "cuda       available" in run.stdout, run.stdout
+    assert "device code: compute_80" in run.stdout, run.stdout
     where = subprocess.run([py, "-c", "import dsaquant, dsaquant_cuda13; print(dsaquant.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+                           capture_output=True, text=True, cwd=tmp_path, check=True, env=env).stdout
     assert str(env_dir) in where, f"dsaquant was imported from {where}, not the venv"
 
 
