@@ -8,7 +8,8 @@ dsaquant/libdsaquant_hip.so is built from the same sources, hipified, when a ROC
 dsaquant/libdsaquant_cuda.so is built with nvcc when one is found (CUDA_HOME/bin, PATH, /usr/local/cuda/bin):
   DSAQUANT_BUILD_CUDA=0 skips it, =1 requires it (the build fails without nvcc), unset: built if possible
   (a failed build then only warns, and the cuda backend is unavailable).
-  DSAQUANT_CUDA_ARCHS: semicolon list, default "90a;100a" (Hopper and Blackwell).
+  DSAQUANT_CUDA_ARCHS: semicolon list, default "90a;100a;compute_80" (Hopper and Blackwell cubins, PTX for every
+  other GPU from sm_80 on; docs/wheels.md).
 The compile itself lives in tools/build_native.py (also runnable without setuptools).
 """
 from __future__ import annotations

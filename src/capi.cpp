@@ -15,6 +15,10 @@
 #include "indexer.h"
 #include "compress.h"
 
+#ifndef DSQ_DEVICE_CODE
+#define DSQ_DEVICE_CODE ""   // set by the build (tools/build_native.py, tools/build_hip.py): its targets
+#endif
+
 namespace {
 
 cudaStream_t stream_of(void* stream) { return static_cast<cudaStream_t>(stream); }
@@ -101,5 +105,15 @@ const char* dsq_abi_field(const char* struct_name, int i, int64_t* offset, int64
 }
 
 const char* dsq_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+const char* dsq_device_code(void) { return DSQ_DEVICE_CODE; }
+
+int dsq_kernel_code(int device, int* ptx, int* binary) {
+  if (ptx == nullptr || binary == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if (device < 0 || device >= dsqdev::kMaxDevices) return static_cast<int>(cudaErrorInvalidDevice);
+  const dsqdev::DeviceScope scope(device);
+  if (scope.error() != 0) return scope.error();
+  return dsq_kernel_code_query(ptx, binary);
+}
 
 }  // extern "C"

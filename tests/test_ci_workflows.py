@@ -26,3 +26,29 @@ def test_workflow_jobs_and_scripts(path):
         for step in steps:
             for script in SCRIPT.findall(step.get("run", "") or ""):
                 assert (ROOT / script).exists(), f"{path.name}:{name} runs {script}, which is not in the repo"
+
+
+def _wheels_jobs():
+    return yaml.safe_load((ROOT / "ci" / "workflows" / "wheels.yml").read_text())["jobs"]
+
+
+def test_cuda_plugin_wheel_is_built_for_x86_64_and_aarch64():
+    """wheels.yml builds the CUDA plugin wheel on an x86_64 and on an arm64 runner (GH200/GB200 hosts: NVIDIA's sbsa
+    CUDA packages), each in a manylinux_2_28 image of its architecture, through ci/build_wheels.sh."""
+    jobs = _wheels_jobs()
+    for runner, arch, cuda in (("ubuntu-24.04", "x86_64", "x86_64"), ("ubuntu-24.04-arm", "aarch64", "sbsa")):
+        job = jobs[f"cuda13-{arch}"]
+        assert job["runs-on"] == runner, job["runs-on"]
+        assert job["container"] == f"quay.io/pypa/manylinux_2_28_{arch}", job["container"]
+        runs = "\n".join(step.get("run", "") or "" for step in job["steps"])
+        assert f"cuda/repos/rhel8/{cuda}/" in runs and "cuda-nvcc-13-0" in runs
+        assert "ci/build_wheels.sh" in runs and "ci/wheel_smoke.sh" in runs
+        assert "compute_80" in job["env"]["DSAQUANT_CUDA_ARCHS"]
+
+
+def test_wheel_install_job_covers_oldest_and_newest_torch():
+    """The wheel install check (ci/wheel_install_check.sh) runs in CI, for the oldest and newest supported torch."""
+    runs = "\n".join(step.get("run", "") or "" for job in _wheels_jobs().values() for step in job["steps"])
+    assert "ci/wheel_install_check.sh" in runs
+    script = (ROOT / "ci" / "wheel_install_check.sh").read_text()
+    assert "2.4.0" in script and "2.13.0" in script

@@ -4,10 +4,11 @@ neither Python nor libtorch, so it loads under any CPython and torch version; it
 nothing else; its argument structs have exactly the layout of the ctypes mirror (python/dsaquant/backends/abi.py);
 the cuda backend registers every writer op. Without a GPU every call returns the runtime's error code (no crash,
 nothing touched). Skipped where the library was not built (no nvcc)."""
-import os
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +17,15 @@ from dsaquant import dispatch
 from dsaquant.backends import abi
 from dsaquant.backends.compiled import find_library
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from build_native import cuda_targets  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
+import check_library  # noqa: E402
+
 LIB = find_library("libdsaquant_cuda.so", "dsaquant_cuda13")
 pytestmark = pytest.mark.skipif(LIB is None, reason="libdsaquant_cuda.so was not built here (no nvcc at install time)")
-EXPORTS = {"dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress_kv", "dsq_rope_rotate_quant", "dsq_fp8_selfcheck",
-           "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field", "dsq_error_string",
-           "dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout",                          # kernels/cuda/scorer.h
-           "dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"}         # kernels/cuda/topk.h
+EXPORTS = abi.CUDA_EXPORTS   # the C interface, kernels/cuda/scorer.h and kernels/cuda/topk.h
 
 
 def needed_libraries(path: str) -> list[str]:
@@ -95,8 +99,29 @@ def test_scorer_struct_matches_its_mirror():
     assert lib is not None and scorer.layout_mismatches(lib) == []
 
 
-@pytest.mark.parametrize("arch", [a.strip() for a in os.environ.get("DSAQUANT_CUDA_ARCHS", "90a;100a").split(";")
-                                  if a.strip()])
-def test_library_has_the_machine_code_of_each_arch(arch):
-    """The build embeds machine code for every arch of DSAQUANT_CUDA_ARCHS (default 90a;100a: Hopper, Blackwell)."""
-    assert f"sm_{arch}".encode() in LIB.read_bytes()
+def test_library_has_the_device_code_of_each_target():
+    """The build embeds the device code of every target of DSAQUANT_CUDA_ARCHS (default 90a;100a;compute_80: the
+    Hopper and Blackwell cubins, PTX for every other GPU from sm_80 on), and dsq_device_code() lists them."""
+    assert abi.Library(str(LIB)).device_code() == cuda_targets()
+    found = check_library.embedded_code(LIB)   # cuobjdump --list-elf / --list-ptx
+    if found is None:
+        pytest.skip("no cuobjdump to list the embedded cubins and PTX")
+    cubins, ptx = found
+    assert cubins == {t.rstrip("af") for t in cuda_targets() if t.startswith("sm_")}
+    assert ptx == {"sm_" + t[len("compute_"):].rstrip("af") for t in cuda_targets() if t.startswith("compute_")}
+
+
+def test_needed_libraries_are_the_promised_ones():
+    """NEEDED: glibc's and the C++ runtime's libraries only (docs/wheels.md); never libcuda.so.1 (the static CUDA
+    runtime opens the driver at run time)."""
+    libs = needed_libraries(str(LIB))
+    assert set(libs) <= abi.SYSTEM_LIBRARIES, libs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour where no GPU exists")
+def test_kernel_code_without_a_gpu_is_an_error_code():
+    lib = abi.Library(str(LIB))
+    err, ptx, binary = lib.kernel_code(0)
+    assert err != 0 and (ptx, binary) == (0, 0)
+    assert lib.kernel_code(-1)[0] == lib.kernel_code(64)[0] != 0
+    assert lib._kernel_code(0, None, None) != 0

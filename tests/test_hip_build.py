@@ -72,6 +72,10 @@ REVIEWED_RENAMES = {
     "cudaStreamIsCapturing": "hipStreamIsCapturing",
     "cudaFuncSetAttribute": "hipFuncSetAttribute",
     "cudaFuncAttributePreferredSharedMemoryCarveout": "hipFuncAttributePreferredSharedMemoryCarveout",
+    # kernels/cuda/selfcheck.cu dsq_kernel_code_query (dsq_kernel_code): the attributes of a kernel on the current
+    # device; on AMD its ptxVersion/binaryVersion are the HIP runtime's, and dsaquant.info reads them only on NVIDIA.
+    "cudaFuncAttributes": "hipFuncAttributes",
+    "cudaFuncGetAttributes": "hipFuncGetAttributes",
 }
 
 

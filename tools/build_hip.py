@@ -675,11 +675,13 @@ def check_isa(rows: list[dict]) -> list[str]:
 # ---- step 2b: full build ------------------------------------------------------------------------------------
 def build_module(out: Path | None = None, archs: list[str] | None = None, cxx: str | None = None,
                  rocm: Path | None = None, build: Path = BUILD, link: bool = True,
-                 device_libs: list[str] | None = None, only: list[str] | None = None, runtime: bool = True) -> Path:
+                 device_libs: list[str] | None = None, only: list[str] | None = None, runtime: bool | str = True) -> Path:
     """libdsaquant_hip.so: every .hip for all archs (one fat binary each), the C interface as host C++, linked with
     amdhip64.
     For tests/test_hip_build.py's smoke build with clang-22 and Triton's headers (no ROCm): `device_libs` replaces
-    --rocm-path in the HIP compiles, `only` limits the kernel TUs (by stem), runtime=False links without amdhip64."""
+    --rocm-path in the HIP compiles, `only` limits the kernel TUs (by stem), runtime=False links without amdhip64;
+    runtime="stub" links against a link-time stand-in of ROCm 7's libamdhip64.so.7 (runtime_stub), for a wheel built
+    without ROCm (build_without_rocm)."""
     archs = archs or archs_from_env()
     rocm = rocm or find_rocm()
     cxx = cxx or find_hip_cxx(rocm)
@@ -703,8 +705,8 @@ def build_module(out: Path | None = None, archs: list[str] | None = None, cxx: s
             continue
         cmds.append([cxx, "-x", "hip", *[f"--offload-arch={a}" for a in archs], *SPEC_FLAGS, *hip_flags, "-fPIC",
                      "-fvisibility=hidden", *incs, "-Wall", "-c", str(tu), "-o", str(obj_dir / (tu.stem + ".o"))])
-    cmds.append([cxx, "-x", "c++", *HOST_FLAGS, "-fPIC", "-fvisibility=hidden",
-                 "-D__HIP_PLATFORM_AMD__=1", f"-isystem{rocm / 'include'}", *incs, "-c", str(tree.capi),
+    cmds.append([cxx, "-x", "c++", *HOST_FLAGS, "-fPIC", "-fvisibility=hidden", "-D__HIP_PLATFORM_AMD__=1",
+                 f'-DDSQ_DEVICE_CODE="{";".join(archs)}"', f"-isystem{rocm / 'include'}", *incs, "-c", str(tree.capi),
                  "-o", str(obj_dir / "capi_hip.o")])
     for c in cmds:
         assert not any(f in c for f in FORBIDDEN_FLAGS)
@@ -725,11 +727,53 @@ def build_module(out: Path | None = None, archs: list[str] | None = None, cxx: s
         return obj_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     link_cmd = [cxx, "-shared", "-fPIC", *(rocm_flag if device_libs is None else []), *map(str, objs), "-o", str(out)]
-    if runtime:
+    if runtime == "stub":
+        link_cmd += [str(runtime_stub(cxx, objs, obj_dir))]
+    elif runtime:
         link_cmd += [f"-L{rocm / 'lib'}", "-lamdhip64", f"-Wl,-rpath,{rocm / 'lib'}"]
     log(" ".join(link_cmd))
     _run(link_cmd, f"linking {LIBRARY}")
     return out
+
+
+HIP_RUNTIME_SONAME = "libamdhip64.so.7"   # ROCm 7's HIP runtime
+
+
+def runtime_stub(cc: str, objs: list[Path], build: Path) -> Path:
+    """A link-time stand-in for the HIP runtime: a shared library named libamdhip64.so.7 (its SONAME) defining, as
+    empty functions, the HIP symbols the objects use. Linking against it records NEEDED libamdhip64.so.7 and leaves
+    those symbols to the real runtime at load time, as linking against ROCm's library does. Never shipped."""
+    nm = next((t for t in map(_exe, [Path(cc).resolve().parent / "llvm-nm", "llvm-nm", "nm"]) if t), None)
+    if nm is None:
+        raise RuntimeError("no nm (llvm-nm or binutils) to list the HIP runtime symbols the objects use")
+    names = set()
+    for o in objs:
+        out = _run([nm, "--undefined-only", "--format=just-symbols", str(o)], f"listing the symbols of {o}").stdout
+        names |= {n.strip() for n in out.split() if re.match(r"^_*hip\w+$", n.strip())}
+    d = build / "runtime-stub"
+    d.mkdir(parents=True, exist_ok=True)
+    src = d / "amdhip64_stub.c"
+    src.write_text("/* link-time stand-in for libamdhip64.so.7 (tools/build_hip.py runtime_stub) */\n" +
+                   "".join(f"void {n}(void) {{}}\n" for n in sorted(names)))
+    lib = d / HIP_RUNTIME_SONAME
+    _run([cc, "-x", "c", "-shared", "-fPIC", "-nostdlib", f"-Wl,-soname,{HIP_RUNTIME_SONAME}", str(src), "-o", str(lib)],
+         "building the HIP runtime stub")
+    return lib
+
+
+def build_without_rocm(out: Path, archs: list[str] | None = None) -> Path:
+    """libdsaquant_hip.so without ROCm: clang-22 (find_clang) with Triton's HIP headers and device libraries
+    (device_lib_flags), every TU for every arch, linked against runtime_stub, so the library needs ROCm 7's
+    libamdhip64.so.7 at load time like a ROCm build. The device code is what the ROCm compiler's clang would make
+    from the same sources; the host side is the same C interface."""
+    archs = archs or archs_from_env()
+    clang, hip = find_clang(), find_hip_headers()
+    if clang is None or hip is None:
+        raise RuntimeError("building without ROCm needs clang-22 (or DSAQUANT_HIP_CLANG) and HIP headers "
+                           "(triton/backends/amd, or DSAQUANT_HIP_HEADERS)")
+    libs, _ = device_lib_flags(clang, hip, archs)
+    stubs, _ = stub_flags(hipify(), hip)
+    return build_module(out=out, archs=archs, cxx=clang, rocm=hip, device_libs=libs + stubs, runtime="stub")
 
 
 def _hip_major(rocm: Path) -> int | None:

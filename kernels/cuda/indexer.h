@@ -19,3 +19,5 @@ int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream);
 int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream);
 int dsq_fp8_selfcheck_launch(uint64_t start, uint64_t count, unsigned long long* out, cudaStream_t stream);
 int dsq_exp_ds_launch(const float* x, float* y, int64_t n, cudaStream_t stream);   // SPEC §0.7, elementwise
+// The ptx/binary versions of a kernel built like all others (selfcheck.cu), on the current device: dsq_kernel_code.
+int dsq_kernel_code_query(int* ptx, int* binary);

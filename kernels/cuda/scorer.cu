@@ -29,11 +29,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
 #include "dsaquant/codes.h"
 #include "dsaquant/layouts.h"
+#include "device.h"
 #include "scorer.h"
 #include "wgmma.cuh"
 
@@ -633,9 +635,31 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, FP4>) paged_logits_
 }
 
 // ---- host side ---------------------------------------------------------------------------------------
+#ifdef DSQ_DEVICE_CODE
+constexpr const char* kDeviceCode = DSQ_DEVICE_CODE;   // the build's targets (tools/build_native.py)
+#else
+constexpr const char* kDeviceCode = "";
+#endif
+
 struct DeviceInfo {
   int sms = 0, major = 0, minor = 0;
+  bool wgmma = false;   // the kernel body runs here: see has_wgmma_kernel
 };
+
+// Whether the scorer kernel that runs on the current device is the wgmma one. Its body exists only in sm_90a code
+// (elsewhere the kernel is empty), so: a 9.0 device, a build that holds sm_90a code (compute_90 PTX or an sm_90
+// cubin compile to the empty body too), and the code the runtime picked for the device compiled from it (not a
+// compute_80 PTX JIT: ptxVersion 80). Otherwise dsq_paged_mqa_logits returns cudaErrorNotSupported.
+bool has_wgmma_kernel(int major, int minor) {
+  if (major != 9 || minor != 0 || std::strstr(kDeviceCode, "_90a") == nullptr) return false;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, paged_logits_kernel<16, 1, false>) != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());   // not left behind for the next launch's cudaGetLastError
+    return false;
+  }
+  return attr.binaryVersion == 90 && attr.ptxVersion >= 90;
+}
+
 DeviceInfo device_info(int dev) {
   static std::mutex mu;
   static DeviceInfo cache[64];
@@ -643,9 +667,11 @@ DeviceInfo device_info(int dev) {
   if (dev < 0 || dev >= 64) return DeviceInfo{};
   DeviceInfo& d = cache[dev];
   if (d.sms == 0) {
+    const dsqdev::DeviceScope scope(dev);   // cudaFuncGetAttributes reads the current device
     cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
     cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev);
+    d.wgmma = scope.error() == 0 && has_wgmma_kernel(d.major, d.minor);
   }
   return d;
 }
@@ -723,7 +749,7 @@ int dispatch_h(const DsqPagedLogitsArgs& a, int sms, cudaStream_t s) {
 extern "C" int dsq_paged_mqa_logits(const DsqPagedLogitsArgs* args, void* stream) {
   const DsqPagedLogitsArgs& a = *args;
   const DeviceInfo info = device_info(a.device);
-  if (info.major != 9 || info.minor != 0) return cudaErrorNotSupported;   // wgmma: sm_90a only
+  if (!info.wgmma) return cudaErrorNotSupported;   // wgmma: sm_90a code on a 9.0 device only
   if (a.page_size < 4 || a.page_size % 4 || a.max_seq_len >= (int64_t{1} << 30)) return cudaErrorNotSupported;
   if (a.layout == DSQ_SCORER_AITER_FP4 && (a.page_size % 16 || a.page_size > 128 || (a.page_size < 64 && 64 % a.page_size)))
     return cudaErrorNotSupported;

@@ -2,7 +2,8 @@
 // definitions, for the fp32 bit patterns [start, start + count): fp8_encode2 (the e4m3fn convert on
 // sm_89+) vs fp8_encode2_software, and round_bf16 / round_fp16 (cvt.rn on sm_80+) vs their software
 // forms. The mismatches are added to *out. Also exp_ds (SPEC §0.7) of an fp32 array, so that the header's
-// exp_ds can be held to its golden vectors on the GPU itself (tests/gpu/test_compress_gpu.py).
+// exp_ds can be held to its golden vectors on the GPU itself (tests/gpu/test_compress_gpu.py). And the code the
+// runtime picked for this file's kernels on the current device (dsq_kernel_code in dsaquant/abi.h).
 #include "indexer.h"
 #include "row16.cuh"
 
@@ -37,4 +38,16 @@ int dsq_exp_ds_launch(const float* x, float* y, int64_t n, cudaStream_t stream) 
 int dsq_fp8_selfcheck_launch(uint64_t start, uint64_t count, unsigned long long* out, cudaStream_t stream) {
   dsqk::fp8_selfcheck_kernel<<<1024, 256, 0, stream>>>(start, count, out);
   return static_cast<int>(cudaGetLastError());
+}
+
+int dsq_kernel_code_query(int* ptx, int* binary) {
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(dsqk::exp_ds_kernel));
+  if (err != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());   // not left behind for the next launch's cudaGetLastError
+    return static_cast<int>(err);
+  }
+  *ptx = attr.ptxVersion;
+  *binary = attr.binaryVersion;
+  return 0;
 }

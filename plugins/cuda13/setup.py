@@ -1,5 +1,6 @@
 """Builds the dsaquant-cuda13 plugin wheel from the repository's sources (tools/build_native.py, nvcc).
-Build it from a checkout: `pip wheel plugins/cuda13` (DSAQUANT_CUDA_ARCHS as for the main build). The wheel holds
+Build it from a checkout: `pip wheel plugins/cuda13` (DSAQUANT_CUDA_ARCHS as for the main build), or with the
+manylinux repair and the library checks: `bash ci/build_wheels.sh` (docs/wheels.md). The wheel holds
 libdsaquant_cuda.so, a plain shared library (C interface, loaded with ctypes), and is tagged py3-none-<platform>."""
 import sys
 from pathlib import Path

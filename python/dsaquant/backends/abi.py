@@ -86,6 +86,25 @@ class DsqExpDsArgs(ctypes.Structure):
 
 STRUCTS = (DsqRope, DsqIndexerArgs, DsqKStoreArgs, DsqQPackArgs, DsqCompressArgs, DsqRotateArgs, DsqSelfcheckArgs,
            DsqExpDsArgs)
+# The dynamic symbols the libraries define, and nothing else (tests/test_cuda_module.py, ci/check_library.py): the C
+# interface of abi.h, the top-k kernels (kernels/cuda/topk.h), on NVIDIA the decode scorer (kernels/cuda/scorer.h),
+# on AMD the FP4 instruction check (kernels/hip/fp4_selfcheck.hip).
+C_INTERFACE = frozenset({"dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress_kv", "dsq_rope_rotate_quant",
+                         "dsq_fp8_selfcheck", "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field",
+                         "dsq_error_string", "dsq_device_code", "dsq_kernel_code"})
+TOPK_EXPORTS = frozenset({"dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"})
+CUDA_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout"}
+HIP_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_hip_fp4_selfcheck"}
+# Besides those the HIP library exports its kernels (clang keeps a HIP kernel visible whatever -fvisibility says: the
+# runtime finds it by name), all in dsaquant's namespaces, and each file's __hip_cuid_ marker.
+HIP_KERNEL_SYMBOL = r"^(_ZN\d+dsq\w+|__hip_cuid_[0-9a-f]+)$"
+# The shared libraries they may need (readelf -d: NEEDED): glibc's and the C++ runtime's, and on AMD the HIP runtime.
+# Never the NVIDIA driver (libcuda.so.1, which the statically linked CUDA runtime opens at run time), a shared CUDA
+# runtime, Python or libtorch.
+SYSTEM_LIBRARIES = frozenset({"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+                              "libstdc++.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"})
+HIP_RUNTIME = "libamdhip64.so.7"   # ROCm 7
+
 # op name -> (entry point, argument struct): DSQ_ABI_OPS.
 OPS = {"indexer": ("dsq_indexer", DsqIndexerArgs), "kstore": ("dsq_kstore", DsqKStoreArgs),
        "qpack": ("dsq_qpack", DsqQPackArgs), "compress_kv": ("dsq_compress_kv", DsqCompressArgs),
@@ -111,6 +130,8 @@ class Library:
         self._field = self._optional("dsq_abi_field", [c_char_p, c_int, POINTER(c_int64), POINTER(c_int64)],
                                      c_char_p)
         self._sizeof = self._optional("dsq_abi_sizeof", [c_char_p], c_int64)
+        self._device_code = self._optional("dsq_device_code", [], c_char_p)
+        self._kernel_code = self._optional("dsq_kernel_code", [c_int, POINTER(c_int), POINTER(c_int)], c_int)
         version = self._optional("dsq_abi_version", [], c_int)
         if version is not None and version() != ABI_VERSION:
             raise ImportError(f"{self.path}: C interface version {version()}, this package expects {ABI_VERSION}")
@@ -137,6 +158,21 @@ class Library:
         text = self._error_string(code).decode() if self._error_string is not None else "?"
         return f"error {code} ({text})"
 
+    def device_code(self) -> list[str]:
+        """The device code built into the library (dsq_device_code): e.g. ["sm_90a", "sm_100a", "compute_80"];
+        [] where the library does not say."""
+        text = self._device_code().decode() if self._device_code is not None else ""
+        return [t for t in text.split(";") if t]
+
+    def kernel_code(self, device: int) -> tuple[int, int, int]:
+        """(error, ptx, binary) of dsq_kernel_code on `device`: the code that runs the kernels there (error 0), as
+        major * 10 + minor of the PTX it was compiled from and of its machine code."""
+        if self._kernel_code is None:
+            return -1, 0, 0
+        ptx, binary = c_int(0), c_int(0)
+        err = self._kernel_code(device, ctypes.byref(ptx), ctypes.byref(binary))
+        return err, ptx.value, binary.value
+
     def layout(self, struct_name: str) -> tuple[int, list[tuple[str, int, int]]]:
         """The library's own description of a struct: (sizeof, [(field, offset, size), ...])."""
         size = self._sizeof(struct_name.encode())
@@ -149,3 +185,13 @@ class Library:
 def mirror_layout(struct: type[ctypes.Structure]) -> tuple[int, list[tuple[str, int, int]]]:
     """The ctypes mirror's (sizeof, [(field, offset, size), ...]), to compare with Library.layout."""
     return ctypes.sizeof(struct), [(n, getattr(struct, n).offset, getattr(struct, n).size) for n, _ in struct._fields_]
+
+
+def describe_code(targets: list[str], ptx: int, binary: int) -> str:
+    """Which of the library's device code runs (docs/wheels.md), from dsq_kernel_code's versions: "cubin sm_90a"
+    (machine code built for the GPU's architecture or its family), or "PTX compute_80, JIT-compiled for sm_86"
+    (the driver compiled the PTX at load time: ptx < binary)."""
+    if ptx < binary:
+        return f"PTX compute_{ptx}, JIT-compiled for sm_{binary}"
+    name = next((t for t in targets if t.startswith("sm_") and t[3:].rstrip("af") == str(binary)), f"sm_{binary}")
+    return f"cubin {name}"

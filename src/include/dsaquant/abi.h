@@ -153,6 +153,16 @@ DSQ_API int64_t dsq_abi_sizeof(const char* struct_name);
 DSQ_API const char* dsq_abi_field(const char* struct_name, int i, int64_t* offset, int64_t* size);
 /* The runtime's name and description of an error code returned by an op. */
 DSQ_API const char* dsq_error_string(int code);
+/* The device code built into the library, as text: its targets separated by ';', e.g. "sm_90a;sm_100a;compute_80"
+ * (sm_*: machine code (a cubin) for that architecture, sm_*f: for its family; compute_*: PTX, compiled by the
+ * driver for the GPU it runs on; gfx*: AMD code objects). "" where the build did not record it. */
+DSQ_API const char* dsq_device_code(void);
+/* The code that runs the library's kernels on device `device` (all kernels are built for the same targets; one
+ * stands for them): *binary = the architecture of its machine code, *ptx = the virtual architecture it was
+ * compiled from, both as major * 10 + minor. *ptx < *binary: the driver compiled the PTX at load time (JIT);
+ * otherwise a cubin runs as built. Returns the runtime's error code (0: both set; no image for the device:
+ * cudaErrorNoKernelImageForDevice). Loads the module on the device (the JIT compile, where there is one). */
+DSQ_API int dsq_kernel_code(int device, int* ptx, int* binary);
 
 #ifdef __cplusplus
 }
