@@ -32,6 +32,16 @@ def test_info():
             assert len(row[0].split("unavailable:", 1)[1].strip()) > 0, row[0]
     assert re.search(r"^dsaquant \d+\.\d+\.\d+", r.stdout, re.M)
     assert "chosen for this device: reference" in r.stdout
+    # the automatic order (preference.py) on this build's GPU vendor: a CPU or CUDA build reads "nvidia"
+    assert re.search(r"^automatic order on (nvidia|amd) GPUs", r.stdout, re.M), r.stdout
+    order = {ln.split(":")[0].strip(): ln.split(":", 1)[1].strip() for ln in lines
+             if re.match(r"\s+\S.*: \w+ > \w+ > \w+$", ln)}
+    if "automatic order on nvidia" in r.stdout:
+        assert order["index_q_rope_pack_weights"] == "triton > cuda > reference"
+        assert order["compress_kv [ratio=128]"] == "triton > cuda > reference"
+        assert order["every other op, variant and size"] == "cuda > triton > reference"
+    else:
+        assert order == {"every other op, variant and size": "hip > triton > reference"}
 
 
 # the rest runs in-process (a subprocess costs a torch import each)
@@ -88,7 +98,7 @@ def test_help_lists_every_subcommand(capsys):
 
 @pytest.mark.parametrize("cmd,options", [("info", []), ("demo", ["--tokens", "--heads", "--backend", "--device"]),
                                          ("bench", ["--tokens", "--heads", "--backends", "--json", "--markdown",
-                                                    "--no-v4"])])
+                                                    "--no-v4", "--check"])])
 def test_subcommand_help(cmd, options, capsys):
     from dsaquant.__main__ import main
     assert main([cmd, "--help"]) == 0

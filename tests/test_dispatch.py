@@ -143,6 +143,7 @@ def test_info_reports_all_backends():
     assert d["chosen"] == "reference"
     assert "CPU" in d["device"]
     assert d["torch"] == torch.__version__ and d["dsaquant"] == dsaquant.__version__
+    assert d["vendor"] == dispatch.vendor() and d["auto_order"] == dispatch.preference.describe(d["vendor"])
 
 
 def _race(n, work):

@@ -10,9 +10,11 @@ import sys
 from .version import __version__
 
 COMMANDS = {
-    "info": "print the backends found here, the one chosen for this machine's device, and the versions",
+    "info": "print the backends found here, the one chosen for this machine's device, the automatic order per op, "
+            "and the versions",
     "demo": "one indexer step (FP8 and FP4 caches, scored) against an unquantized bf16 truth; runs on the CPU",
-    "bench": "time each op on each GPU backend against the copy bandwidth measured in the same run (needs a GPU)",
+    "bench": "time each op on each GPU backend against the copy and HBM-read rates measured in the same run, and "
+             "check the automatic choice against the fastest (needs a GPU)",
 }
 
 
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
         show(a)
     else:
         from .bench import show
-        show(a)
+        return show(a)
     return 0
 
 

@@ -4,9 +4,15 @@ Timings are medians of CUDA-event measurements around CUDA-graph replays: a grap
 (T <= 64) or 20 calls (larger T, cycling over 4 input sets so the L2 cache does not hold them), and the
 time per call is reported (device time, no host overhead). The `reference` backend cannot be captured
 (it syncs), so its calls are timed one by one with events (host time between them included). The bytes moved are the fewest the op
-must move (each input read once, each output written once); GB/s = bytes / time, and "% copy" compares
-with a device-to-device copy (bytes read + written) measured in the same run. The `reference` backend
-on the GPU is the unfused torch (eager) pipeline.
+must move (each input read once, each output written once); GB/s = bytes / time, compared with two
+ceilings measured once in the same run: "% copy", a device-to-device copy (its rate counts bytes read plus
+bytes written), and "% HBM read", a read-only reduction (hbm_read_bandwidth). An op that
+reads more than it writes can pass 100 % of copy; it cannot pass the read ceiling by much. The `reference`
+backend on the GPU is the unfused torch (eager) pipeline.
+
+The automatic-choice check: each row carries `auto`, the backend dispatch.choose picks for its op, size and
+variant with no backend forced; `auto_check` compares, per group of rows (same op and size), auto's time with
+the fastest backend measured and flags auto when it is more than 10 % slower.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import statistics
 
 import torch
 
-from . import compress, dispatch, ops, testing as tt
+from . import compress, dispatch, ops, preference, testing as tt
 
 OUT_KEYS = {
     "indexer_qk_rope_quant_and_cache": ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"),
@@ -34,6 +40,12 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_event_seconds(lambda i: dst.copy_(src), reps) / 1e9
+
+
+def hbm_read_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """A read-only pass over nbytes (an fp32 max over random values), GB/s of bytes read (median)."""
+    src = torch.rand(nbytes // 4, device="cuda")
+    return nbytes / _median_event_seconds(lambda i: src.amax(), reps) / 1e9
 
 
 def _median_event_seconds(fn, reps: int, warmup: int = 3) -> float:
@@ -96,6 +108,44 @@ def time_graph(fn, arg_sets, calls: int = 100, reps: int = 20) -> float:
     return _median_event_seconds(lambda i: g.replay(), reps, warmup=0) / calls
 
 
+GROUP_FIELDS = ("op", "tokens", "heads", "batch", "next_n", "context", "contexts")
+AUTO_TOLERANCE = 0.10
+
+
+def auto_check(rows, tolerance: float = AUTO_TOLERANCE) -> dict:
+    """The automatic-choice check over bench rows (dicts with `backend`, `us`, `auto` and the GROUP_FIELDS
+    they have): rows sharing every GROUP_FIELDS value form a group (one op at one size). Per group: auto
+    (the backend dispatch.choose picked, None if none), the fastest backend measured and its µs, auto's µs
+    (None if auto was not measured in the group), `slower` = auto µs / fastest µs - 1, and `flagged`: auto
+    was measured and is more than `tolerance` slower. Returns {"tolerance", "groups": [...], "flagged":
+    count, "passed": no group flagged}. Pure: no device, no timing."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = tuple((k, r[k]) for k in GROUP_FIELDS if k in r)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, rs in groups.items():
+        best = min(rs, key=lambda r: r["us"])
+        autos = {r.get("auto") for r in rs}
+        auto = autos.pop() if len(autos) == 1 else None
+        mine = [r["us"] for r in rs if auto is not None and r["backend"] == auto]
+        auto_us = min(mine) if mine else None
+        slower = auto_us / best["us"] - 1 if auto_us is not None and best["us"] > 0 else None
+        out.append(dict(dict(key), auto=auto, fastest=best["backend"], fastest_us=best["us"], auto_us=auto_us,
+                        slower=slower, flagged=auto_us is not None and auto_us > (1 + tolerance) * best["us"]))
+    n = sum(g["flagged"] for g in out)
+    return dict(tolerance=tolerance, groups=out, flagged=n, passed=n == 0)
+
+
+def auto_of(op: str, tokens: int, variant: str | None = None) -> str | None:
+    """The backend the op's wrapper picks with no backend forced (dispatch.choose_for) for a call of `tokens`
+    tokens and `variant` on the current GPU; None if none."""
+    try:
+        return dispatch.choose_for(op, torch.device("cuda", torch.cuda.current_device()), None, tokens, variant)
+    except dispatch.BackendUnavailable:
+        return None
+
+
 def cases(T: int, H: int):
     """(label, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int)."""
     def idx_bytes(a):
@@ -142,8 +192,8 @@ def compress_bytes(a, starts, lens) -> int:
 
 
 def v4_cases():
-    """(label, tokens, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int) of the DeepSeek-V4 rows:
-    compress_kv decode (64 sequences of one token, ratio 4, about a quarter of them at a boundary) and prefill
+    """(label, tokens, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int, variant) of the
+    DeepSeek-V4 rows (variant: preference.variant of the call): compress_kv decode (64 sequences of one token, ratio 4, about a quarter of them at a boundary) and prefill
     (one 8192-token prompt, ratio 4 and ratio 128), FP4 packed68 with bf16 inputs; rope_rotate_quant at
     T = 8192, H = 64, D = 128 into FP4 with the shuffled (aiter) scales."""
     dec_starts, dec_lens = tuple(1000 + 4 * b + (b % 4) for b in range(64)), (1,) * 64
@@ -155,26 +205,30 @@ def v4_cases():
                                        quant_mode="fp4", negatives=False, dtype=torch.bfloat16,
                                        max_pos=max(4096, max(st + n for st, n in zip(starts, lens))))
         yield (label, sum(lens), "compress_kv", compress.compress_kv, make,
-               lambda a, starts=starts, lens=lens: compress_bytes(a, starts, lens))
+               lambda a, starts=starts, lens=lens: compress_bytes(a, starts, lens),
+               preference.variant("compress_kv", ratio=ratio))
     T, H = 8192, 64
 
     def rr_bytes(a):
         return (_nbytes(a["x"]) + _nbytes(a["out"]) + _nbytes(a["out_scale"]) + _nbytes(a["positions"])
                 + T * 2 * 32 * a["cos_cache"].element_size())
     yield ("rope_rotate_quant fp4 H=64", T, "rope_rotate_quant", compress.rope_rotate_quant,
-           lambda s: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes)
+           lambda s: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes,
+           preference.variant("rope_rotate_quant", out_format="fp4"))
 
 
 def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print, v4=True,
         scorer=True, prefill=True):
-    bw = copy_bandwidth()
-    log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s")
+    bw, read_bw = copy_bandwidth(), hbm_read_bandwidth()
+    log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s   "
+        f"HBM read (read-only reduction): {read_bw:.0f} GB/s")
     backends = backends or [b for b in ("cuda", "triton", "reference") if dispatch.available(b)[0]]
     rows = []
 
-    def bench_case(label, T, op, fn, make, nbytes, row_heads):
+    def bench_case(label, T, op, fn, make, nbytes, row_heads, variant=None):
         sets = [make(s) for s in range(4 if T >= 1024 else 1)]
         moved = nbytes(sets[0])
+        auto = auto_of(op, T, variant)
         for b in backends:
             if op not in dispatch.ops_of(b):
                 continue
@@ -190,35 +244,64 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
                 continue
             gbs = moved / sec / 1e9
             rows.append(dict(op=label, tokens=T, heads=row_heads, backend=b, us=sec * 1e6, gb_s=gbs,
-                             pct_copy=100 * gbs / bw, bytes=moved, timing=how))
+                             pct_copy=100 * gbs / bw, pct_read=100 * gbs / read_bw, bytes=moved, timing=how,
+                             auto=auto))
 
     for T in tokens:
         for label, op, fn, make, nbytes in cases(T, heads):
             bench_case(label, T, op, fn, make, nbytes, heads)
-    for label, T, op, fn, make, nbytes in (v4_cases() if v4 else ()):
-        bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None)
+    for label, T, op, fn, make, nbytes, variant in (v4_cases() if v4 else ()):
+        bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None, variant)
     from .bench_topk import topk_rows
-    rows += topk_rows(backends, bw, log=log)
+    rows += topk_rows(backends, bw, read_bw, log=log)
     scorer_rows, tc = [], {}
     if scorer:
         from . import bench_scorer
         tc = tensor_core_ceilings()
         log("tensor-core ceilings (dense 8192^3 products): " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()))
-        scorer_rows = bench_scorer.run([b for b in backends if b != "reference"], bw, tc.get("fp8"), log=log)
+        scorer_rows = bench_scorer.run([b for b in backends if b != "reference"], bw, tc.get("fp8"), log=log,
+                                       read_gb_s=read_bw)
     prefill_rows = []
     if prefill and "triton" in backends:
         from .bench_prefill import bench_prefill
         prefill_rows = bench_prefill(log)
-    return dict(copy_gb_s=bw, device=torch.cuda.get_device_name(), rows=rows, scorer=scorer_rows,
-                tensor_core_tflops=tc, prefill=prefill_rows)
+    return dict(copy_gb_s=bw, hbm_read_gb_s=read_bw, device=torch.cuda.get_device_name(), rows=rows,
+                scorer=scorer_rows, tensor_core_tflops=tc, prefill=prefill_rows,
+                auto_check=auto_check(rows + scorer_rows))
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def format_auto_check(check) -> list[str]:
+    """Markdown rows of auto_check's groups, then its summary line (the last line)."""
+    out = ["| op | size | auto | auto µs | fastest | fastest µs | auto slower by % | flag |",
+           "|---|---|---|---:|---|---:|---:|---|"]
+    for g in check["groups"]:
+        size = ", ".join(f"{k} {g[k]}" for k in GROUP_FIELDS[1:] if g.get(k) is not None)
+        auto_us = "-" if g["auto_us"] is None else f"{g['auto_us']:.2f}"
+        slower = "-" if g["slower"] is None else f"{100 * g['slower']:.1f}"
+        flag = "SLOWER" if g["flagged"] else ("not measured" if g["auto_us"] is None else "ok")
+        out.append(f"| {g['op']} | {size} | {g['auto']} | {auto_us} | {g['fastest']} | {g['fastest_us']:.2f} | "
+                   f"{slower} | {flag} |")
+    tol = 100 * check["tolerance"]
+    out.append(f"automatic choice check: {'passed' if check['passed'] else 'FAILED'} "
+               f"({check['flagged']} of {len(check['groups'])} groups more than {tol:.0f} % slower than the "
+               f"fastest backend measured)")
+    return out
 
 
 def format_table(res) -> str:
-    out = [f"copy bandwidth (read+write): {res['copy_gb_s']:.0f} GB/s on {res['device']}", "",
-           f"| op | tokens | backend | median µs | GB/s | % copy | timing |", "|---|---:|---|---:|---:|---:|---|"]
+    read = res.get("hbm_read_gb_s")
+    out = [f"copy bandwidth (read+write): {res['copy_gb_s']:.0f} GB/s, HBM read (read-only reduction): "
+           f"{read:.0f} GB/s on {res['device']}" if read else
+           f"copy bandwidth (read+write): {res['copy_gb_s']:.0f} GB/s on {res['device']}", "",
+           "| op | tokens | backend | auto | median µs | GB/s | % copy | % HBM read | timing |",
+           "|---|---:|---|---|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
-        out.append(f"| {r['op']} | {r['tokens']} | {r['backend']} | {r['us']:.2f} | {r['gb_s']:.0f} | "
-                   f"{r['pct_copy']:.1f} | {r['timing']} |")
+        out.append(f"| {r['op']} | {r['tokens']} | {r['backend']} | {r.get('auto') or '-'} | {r['us']:.2f} | "
+                   f"{r['gb_s']:.0f} | {_pct(r['pct_copy'])} | {_pct(r.get('pct_read'))} | {r['timing']} |")
     if res["scorer"]:
         from . import bench_scorer
         tc = res.get("tensor_core_tflops") or {}
@@ -228,6 +311,8 @@ def format_table(res) -> str:
     if res.get("prefill"):
         from .bench_prefill import format_rows
         out += ["", format_rows(res["prefill"])]
+    if res.get("auto_check"):
+        out += ["", *format_auto_check(res["auto_check"])]
     return "\n".join(out)
 
 
@@ -243,19 +328,23 @@ def add_arguments(p) -> None:
     p.add_argument("--no-writers", action="store_true", help="skip the writer rows (indexer, k writers, V4 ops)")
     p.add_argument("--no-v4", action="store_true",
                    help="skip the DeepSeek-V4 rows (compress_kv decode/prefill, rope_rotate_quant T=8192 H=64)")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 when the automatic choice is more than 10 %% slower than the fastest "
+                        "backend measured for some op and size (the summary line is printed either way)")
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsaquant bench", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    show(p.parse_args(argv))
+    return show(p.parse_args(argv))
 
 
-def show(a) -> None:
-    """Run the bench with parsed options `a`, print the table, write --json / --markdown."""
+def show(a) -> int:
+    """Run the bench with parsed options `a`, print the table (its last line: the automatic-choice check's
+    summary), write --json / --markdown. Returns the exit status: 1 if --check and the check failed, else 0."""
     if not torch.cuda.is_available():
         print("bench needs a CUDA/ROCm GPU (none found); nothing to time")
-        return
+        return 0
     tokens = () if a.no_writers else tuple(int(t) for t in a.tokens.split(","))
     res = run(tokens, a.heads, a.backends.split(",") if a.backends else None, v4=not (a.no_v4 or a.no_writers),
               scorer=not a.no_scorer, prefill=not a.no_prefill)
@@ -267,3 +356,4 @@ def show(a) -> None:
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(table + "\n")
+    return 1 if getattr(a, "check", False) and not res["auto_check"]["passed"] else 0

@@ -26,12 +26,6 @@ LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 L2_BYTES = 60 << 20
 
 
-def hbm_read_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """A read-only pass over nbytes (an fp32 max over random values), GB/s of bytes read (median)."""
-    src = torch.rand(nbytes // 4, device="cuda")
-    return nbytes / bench._median_event_seconds(lambda i: src.amax(), reps) / 1e9
-
-
 def inputs(layout, B, N, H, ctx, contexts, seed):
     a = make_scorer_inputs(layout, B, N, H, ctx, device="cuda", seed=seed)
     if contexts == "uniform":
@@ -49,10 +43,13 @@ def must_move(a, layout) -> int:
     return keys * row + a["q"].numel() + qs + a["weights"].numel() * 4 + B * N * a["max_seq_len"] * 4
 
 
-def run(backends, copy_gb_s: float, fp8_tflops: float | None, shapes=SHAPES, log=print) -> list[dict]:
-    """One row per (shape, layout, backend)."""
-    read_gb_s = hbm_read_bandwidth()
-    log(f"HBM read (read-only reduction): {read_gb_s:.0f} GB/s")
+def run(backends, copy_gb_s: float, fp8_tflops: float | None, shapes=SHAPES, log=print,
+        read_gb_s: float | None = None) -> list[dict]:
+    """One row per (shape, layout, backend); `auto` in each row is the backend the automatic choice picks
+    for the shape. `read_gb_s`: the HBM read ceiling already measured in this run (None: measured here)."""
+    if read_gb_s is None:
+        read_gb_s = bench.hbm_read_bandwidth()
+        log(f"HBM read (read-only reduction): {read_gb_s:.0f} GB/s")
     rows = []
     for (B, N, ctx, H, contexts) in shapes:
         for layout in LAYOUTS:
@@ -62,6 +59,7 @@ def run(backends, copy_gb_s: float, fp8_tflops: float | None, shapes=SHAPES, log
                               for s in range(1, min(4, max(1, -(-2 * L2_BYTES // per_set))))]
             moved = sum(must_move(a, layout) for a in sets) / len(sets)
             flops = sum(2 * N * H * 128 * int(a["context_lens"].sum()) for a in sets) / len(sets)
+            auto = bench.auto_of("paged_mqa_logits", B * N)
             for b in backends:
                 if b == "reference":
                     continue
@@ -86,7 +84,7 @@ def run(backends, copy_gb_s: float, fp8_tflops: float | None, shapes=SHAPES, log
                                  contexts=contexts, backend=b, us=us, bytes=moved, gb_s=moved / sec / 1e9,
                                  pct_copy=100 * moved / sec / 1e9 / copy_gb_s, pct_read=100 * moved / sec / 1e9 / read_gb_s,
                                  us_at_copy=moved / copy_gb_s / 1e3, tflops=tflops,
-                                 pct_fp8=100 * tflops / fp8_tflops if fp8_tflops else None))
+                                 pct_fp8=100 * tflops / fp8_tflops if fp8_tflops else None, auto=auto))
                 log(f"  scorer {layout} B={B} N={N} ctx={ctx} H={H} {contexts} {b}: {us:.1f} us "
                           f"({rows[-1]['pct_copy']:.1f} % of copy)")
             del sets

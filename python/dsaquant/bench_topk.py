@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .bench import time_graph
+from .bench import auto_of, time_graph
 from .topk import topk_indices
 
 SHAPES = (  # (label, rows, L, k, next_n)
@@ -29,13 +29,15 @@ def _inputs(rows, L, k, next_n, seed):
     return dict(logits=logits, k=k, context_lens=ctx, next_n=next_n, out=out)
 
 
-def topk_rows(backends, copy_gb_s: float, calls: int = 20, log=print) -> list[dict]:
-    """bench.py rows (op, tokens = rows, backend, us, gb_s, pct_copy, bytes, timing) for every shape and
-    every GPU backend in `backends` that implements topk_indices; a failing backend is logged and skipped."""
+def topk_rows(backends, copy_gb_s: float, read_gb_s: float | None = None, calls: int = 20, log=print) -> list[dict]:
+    """bench.py rows (op, tokens = rows, backend, us, gb_s, pct_copy, pct_read (None without `read_gb_s`),
+    bytes, timing, auto) for every shape and every GPU backend in `backends` that implements topk_indices;
+    a failing backend is logged and skipped."""
     rows_out = []
     for label, rows, L, k, next_n in SHAPES:
         sets = [_inputs(rows, L, k, next_n, s) for s in range(4)]
         moved = rows * L * 4 + rows * k * 4
+        auto = auto_of("topk_indices", rows)
         for b in backends:
             if b == "reference" or "topk_indices" not in dispatch.ops_of(b):
                 continue
@@ -48,5 +50,7 @@ def topk_rows(backends, copy_gb_s: float, calls: int = 20, log=print) -> list[di
                 continue
             gbs = moved / sec / 1e9
             rows_out.append(dict(op=label, tokens=rows, heads=None, backend=b, us=sec * 1e6, gb_s=gbs,
-                                 pct_copy=100 * gbs / copy_gb_s, bytes=moved, timing=f"graph x{calls}"))
+                                 pct_copy=100 * gbs / copy_gb_s,
+                                 pct_read=100 * gbs / read_gb_s if read_gb_s else None, bytes=moved,
+                                 timing=f"graph x{calls}", auto=auto))
     return rows_out

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, errors
+from . import dispatch, errors, preference
 from . import validate as V
 from .reference.compress import FP4_OUT_DTYPES, FP8_OUT_DTYPES, QUANT_MODES, ROUNDING_POINTS
 from .reference.fp4 import POLICIES, SCALE_RULES
@@ -263,7 +263,8 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
         _boundary_host_checks(cu_seqlens, start_pos, state_slot, out_slots, T, ratio, n_ring, cache.shape[0] * P)
     if T == 0 or B == 0:
         return
-    name = dispatch.choose("compress_kv", dev, backend)
+    name = dispatch.choose_for("compress_kv", dev, backend, T,
+                               preference.variant("compress_kv", ratio=ratio))
     _compress_op(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, start_pos, norm_weight,
                  float(epsilon), cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode,
                  layout, scale_rule, rounding, kn["scale_fmt"], flavour, kn["preshuffle"], kn["hadamard"],
@@ -338,6 +339,7 @@ def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim=64, out_
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
     if out.dtype in FP4_OUT_DTYPES:
+        out_format = "fp4"
         g = _group(group_size, 32, D)
         V.tensor("out", out, None, (T, H, D // 2), dev, contiguous=True)
         if out_scale is None:
@@ -352,12 +354,14 @@ def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim=64, out_
         else:
             V.tensor("out_scale", out_scale, (torch.uint8,), (T, H, D // g), dev, contiguous=True)
     elif out.dtype in FP8_OUT_DTYPES:
+        out_format = "fp8"
         g = _group(group_size, 128, D)
         V.tensor("out", out, None, (T, H, D), dev, contiguous=True)
         if out_scale is None:
             raise ValueError("out_scale: FP8 output needs out_scale (fp32 group scales), got None")
         V.tensor("out_scale", out_scale, (F32,), (T, H, D // g), dev, contiguous=True)
     elif out.dtype in V.HALFS and out.dtype == x.dtype:
+        out_format = "half"
         V.tensor("out", out, None, (T, H, D), dev)
         if group_size is not None:
             raise ValueError(f"group_size: a {_dtype_name(out.dtype)} output has no groups; expected None, "
@@ -371,6 +375,7 @@ def rope_rotate_quant(out, x, cos_cache, sin_cache, positions, rope_dim=64, out_
                         f"got {_dtype_name(out.dtype)}")
     if T == 0:
         return
-    name = dispatch.choose("rope_rotate_quant", dev, backend)
+    name = dispatch.choose_for("rope_rotate_quant", dev, backend, T,
+                               preference.variant("rope_rotate_quant", out_format=out_format))
     _rope_rotate_op(out, x, cos_cache, sin_cache, positions, rope_dim, out_scale, g, shuffle_scale, hadamard,
                     rounding, name)

@@ -4,8 +4,9 @@ Backends: `reference` (torch, any device: the oracle), `triton` (NVIDIA and AMD 
 TRITON_INTERPRET=1 and only when asked for), `cuda` (the compiled NVIDIA module) and `hip` (the compiled
 AMD module). A backend is a module that, when imported, calls `register(backend, op, fn)` for each op it
 implements. The choice, in order: the op's `backend=` argument, the DSAQUANT_BACKEND environment
-variable, then the best available backend for the tensors' device:
-  CPU -> reference;  NVIDIA GPU -> cuda, triton, reference;  AMD GPU -> hip, triton, reference.
+variable, then the first available backend that implements the op in the automatic order for the tensors'
+device: CPU -> reference; a GPU -> the vendor's order for the op (and the call's size and variant) from the
+table in preference.py, by default NVIDIA cuda, triton, reference and AMD hip, triton, reference.
 A forced backend that is missing, or that lacks the op, raises BackendUnavailable naming what is missing.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 from typing import Callable
 
 import torch
+
+from . import preference
 
 BACKENDS = ("reference", "triton", "cuda", "hip")
 _MODULES = {
@@ -70,12 +73,16 @@ def ops_of(backend: str) -> list[str]:
     return sorted(_impls[backend])
 
 
-def _device_order(device: torch.device) -> tuple[str, ...]:
+def vendor() -> str:
+    """The GPU vendor this torch build drives: "amd" for a ROCm build, else "nvidia"."""
+    return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+
+
+def _device_order(device: torch.device, op: str, size: int | None = None,
+                  variant: str | None = None) -> tuple[str, ...]:
     if device.type == "cpu":
         return ("reference",)
-    if getattr(torch.version, "hip", None):
-        return ("hip", "triton", "reference")
-    return ("cuda", "triton", "reference")
+    return preference.order(vendor(), op, size, variant)
 
 
 def _device_ok(backend: str, device: torch.device) -> str:
@@ -94,9 +101,13 @@ def _device_ok(backend: str, device: torch.device) -> str:
 
 
 @torch.compiler.assume_constant_result
-def choose(op: str, device: torch.device, backend: str | None = None) -> str:
-    """Name of the backend that runs `op` on `device`: the argument, else DSAQUANT_BACKEND, else auto.
-    (Under torch.compile the choice is made once at trace time and baked into the graph.)"""
+def choose(op: str, device: torch.device, backend: str | None = None, size: int | None = None,
+           variant: str | None = None) -> str:
+    """Name of the backend that runs `op` on `device`: the argument, else DSAQUANT_BACKEND, else auto, the
+    first available backend implementing `op` in preference.order(vendor, op, size, variant) (`size`: the
+    call's token count T or preference.size_key(op, T), None if unknown; `variant`: preference.variant of
+    the call). A forced backend ignores size and variant. (Under torch.compile the choice is made once at
+    trace time and baked into the graph; every argument must then be a constant: see choose_for.)"""
     forced = backend or os.environ.get("DSAQUANT_BACKEND") or None
     if forced:
         where = "backend=" if backend else "DSAQUANT_BACKEND="
@@ -109,10 +120,17 @@ def choose(op: str, device: torch.device, backend: str | None = None) -> str:
         if why:
             raise BackendUnavailable(f"{where}{forced!r}: {why}")
         return forced
-    for b in _device_order(device):
+    for b in _device_order(device, op, size, variant):
         if available(b)[0] and op in _impls[b] and not _device_ok(b, device):
             return b
     raise BackendUnavailable(f"no backend implements {op!r} on {device}")
+
+
+def choose_for(op: str, device: torch.device, backend: str | None, tokens, variant: str | None = None) -> str:
+    """choose() for a call of `tokens` tokens (an int, or a SymInt under torch.compile with dynamic
+    shapes): passes preference.size_key(op, tokens), a plain int on the same side of every rule bound, so
+    that the choice stays a trace-time constant. The op wrappers call this."""
+    return choose(op, device, backend, preference.size_key(op, tokens), variant)
 
 
 def get(backend: str, op: str) -> Callable:

@@ -5,13 +5,15 @@ import platform
 
 import torch
 
-from . import dispatch
+from . import dispatch, preference
 from .version import __version__
 
 
 def info() -> dict:
     """A dict: version, torch/triton versions, device, each backend's availability (and why not), the
-    ops it implements, and the backend chosen automatically for this machine's default device."""
+    ops it implements, the backend chosen automatically for this machine's default device, and the
+    automatic order on this torch build's GPU vendor ("vendor", "auto_order": one line per op with a rule,
+    then the default order; preference.py)."""
     try:
         import triton
         triton_version = triton.__version__
@@ -38,6 +40,7 @@ def info() -> dict:
         "dsaquant": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "torch_cuda": torch.version.cuda, "torch_hip": getattr(torch.version, "hip", None), "triton": triton_version,
         "device": device, "backends": backends, "chosen": chosen,
+        "vendor": dispatch.vendor(), "auto_order": preference.describe(dispatch.vendor()),
     }
 
 
@@ -69,4 +72,7 @@ def format_info(d: dict) -> str:
         if v.get("device_code"):
             lines.append(f"  {'':<10} device code: {v['device_code']}")
     lines.append(f"chosen for this device: {d['chosen']}")
+    lines.append(f"automatic order on {d['vendor']} GPUs (first available backend implementing the op; "
+                 f"CPU tensors: reference):")
+    lines += [f"  {ln}" for ln in d["auto_order"]]
     return "\n".join(lines)

@@ -124,7 +124,7 @@ def indexer_qk_rope_quant_and_cache(q, q_out, weights, weights_out, k, kv_cache,
     V.host_slot_check("slot_mapping", slot_mapping, kv_cache.shape[0] * P)
     if T == 0:
         return
-    name = dispatch.choose("indexer_qk_rope_quant_and_cache", dev, backend)
+    name = dispatch.choose_for("indexer_qk_rope_quant_and_cache", dev, backend, T)
     _indexer_op(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, norm_weight, norm_bias, positions,
                 cos_cache, sin_cache, float(epsilon), quant_block_size, scale_fmt or None, float(weights_scale),
                 preshuffle, is_neox, compute_all_q_rope, q_scale_out, kv_cache_scale, rounding, flavour, P, name)
@@ -180,7 +180,7 @@ def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, c
     V.host_slot_check("slots", slots, cache.shape[0] * P)
     if T == 0:
         return
-    name = dispatch.choose("index_k_norm_rope_pack_store", dev, backend)
+    name = dispatch.choose_for("index_k_norm_rope_pack_store", dev, backend, T)
     _k_store_op(k, norm_weight, float(eps), positions, freqs, slots, cache, compress_ratio, rounding, P, name)
 
 
@@ -222,7 +222,7 @@ def index_q_rope_pack_weights(q, positions, freqs, head_weights, weight_scale, r
     V.tensor("out[1] (exponents)", exps, (torch.int32,), (T, H), dev, contiguous=True)
     V.tensor("out[2] (weights)", w, (torch.float32,), (T, H), dev, contiguous=True)
     if T:
-        name = dispatch.choose("index_q_rope_pack_weights", dev, backend)
+        name = dispatch.choose_for("index_q_rope_pack_weights", dev, backend, T)
         _q_pack_op(q, positions, freqs, head_weights, float(weight_scale), rounding, payload, exps, w, name)
     return payload, exps, w
 
@@ -261,7 +261,7 @@ def rope_fake_quant_fp4(x, positions, freqs, block=32, scale="ue8m0", *, compres
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     V.tensor("out", out, (x.dtype,), tuple(x.shape), dev, contiguous=True)
     if T:
-        name = dispatch.choose("rope_fake_quant_fp4", dev, backend)
+        name = dispatch.choose_for("rope_fake_quant_fp4", dev, backend, T)
         _fake_quant_op(x, positions, freqs, block, scale, compress_ratio, out, name)
     return out
 
@@ -319,7 +319,7 @@ def rmsnorm_rope_rotate_fp4quant_kvcache(kv, norm_weight, epsilon, positions, co
     V.host_slot_check("slot_mapping", slot_mapping, capacity)
     if T == 0:
         return
-    name = dispatch.choose("rmsnorm_rope_rotate_fp4quant_kvcache", dev, backend)
+    name = dispatch.choose_for("rmsnorm_rope_rotate_fp4quant_kvcache", dev, backend, T)
     _v4_k_op(kv, norm_weight, float(epsilon), positions, cos_cache, sin_cache, slot_mapping, kv_cache,
              kv_cache_scale, hadamard, rounding, layout, P, name)
 
@@ -417,7 +417,7 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_seq_l
         out = torch.empty((B * N, max_seq_len), dtype=logits_dtype, device=dev)
     else:
         V.tensor("out", out, (logits_dtype,), (B * N, max_seq_len), dev, last_contiguous=True)
-    name = dispatch.choose("paged_mqa_logits", dev, backend)
+    name = dispatch.choose_for("paged_mqa_logits", dev, backend, B * N)
     _scorer_op(q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout, q_scale, kv_cache_scale,
                float(weight_scale), preshuffle, flavour, P, bool(clean_logits), out, name)
     return out

@@ -148,7 +148,7 @@ def mqa_logits(q, k, weights, ks, ke, *, layout="fp8", q_scale=None, k_scale=Non
         base = torch.zeros(S, dtype=torch.int32, device=dev)
     if S == 0 or W == 0:
         return out
-    name = dispatch.choose("mqa_logits", dev, backend)
+    name = dispatch.choose_for("mqa_logits", dev, backend, S)
     _logits_op(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, flavour, exact, clean_logits, compressed,
                name)
     return out
@@ -191,7 +191,7 @@ def mqa_topk(q, k, weights, ks, ke, topk, *, layout="fp8", q_scale=None, k_scale
         return torch.empty((0, topk), dtype=torch.int32, device=dev)
     if SKV == 0:
         return torch.full((S, topk), -1, dtype=torch.int32, device=dev)
-    name = dispatch.choose("mqa_topk", dev, backend)
+    name = dispatch.choose_for("mqa_topk", dev, backend, S)
     return _topk_op(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, flavour, exact, name)
 
 

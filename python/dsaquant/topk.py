@@ -81,6 +81,6 @@ def topk_indices(logits, k, *, context_lens=None, next_n=1, ks=None, ke=None, re
     if L == 0:
         out.fill_(-1)
         return out
-    name = dispatch.choose("topk_indices", dev, backend)
+    name = dispatch.choose_for("topk_indices", dev, backend, rows)
     _topk_op(logits, k, context_lens, next_n, ks, ke, relative, out, name)
     return out
