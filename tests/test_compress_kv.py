@@ -916,4 +916,4 @@ def test_opcheck():
             a["start_pos"], a["norm_weight"], 1e-6, a["cos_cache"], a["sin_cache"], a["out_slots"], a["cache"], None,
             4, True, "fp4", "packed68", "recip", "rne", "ue8m0", "e4m3fn", False, False, "pool,norm,rope", None, True,
             16, "reference")
-    torch.library.opcheck(compress._compress_op, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(compress._compress_op.op, args, test_utils=("test_schema", "test_faketensor"))

@@ -199,3 +199,25 @@ def test_threads_racing_the_first_backend_load(monkeypatch):
     assert ok or why, "an unavailable backend must say why"
     # the reference's ops are still all registered once the race is over
     assert set(OPS) <= set(dispatch.ops_of("reference"))
+
+
+def test_library_op_eager_call_skips_the_custom_op(monkeypatch):
+    """An eager call runs the op's implementation directly (the custom op's Python dispatch costs host time);
+    the bytes are those of the registered custom op, which torch.compile and opcheck use."""
+    from dsaquant import ops
+    a = tt.make_indexer(T=5, H=16, mode="fp4", seed=3)
+    b = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+    def refuse(*args):
+        raise AssertionError("an eager call went through the custom op")
+
+    with monkeypatch.context() as m:
+        m.setattr(ops._indexer_op, "op", refuse)
+        ops.indexer_qk_rope_quant_and_cache(**a, backend="reference")
+    with monkeypatch.context() as m:   # the path a compiled graph takes: the registered custom op
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        m.setattr(ops._indexer_op, "fn", refuse)
+        ops.indexer_qk_rope_quant_and_cache(**b, backend="reference")
+    for n in ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"):
+        assert torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)), n
+    assert bool((a["kv_cache"] != 0).any())

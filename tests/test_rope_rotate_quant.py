@@ -319,6 +319,6 @@ def test_compile_and_opcheck():
     f(b)
     assert np.array_equal(u8(a["out"]), u8(b["out"])) and np.array_equal(u8(a["out_scale"]), u8(b["out_scale"]))
     c = make("fp4_shuffled", seed=9)   # (schema checks cannot compare float8 tensors on the CPU)
-    torch.library.opcheck(compress._rope_rotate_op, (c["out"], c["x"], c["cos_cache"], c["sin_cache"], c["positions"], 64,
+    torch.library.opcheck(compress._rope_rotate_op.op, (c["out"], c["x"], c["cos_cache"], c["sin_cache"], c["positions"], 64,
                                                  c["out_scale"], 32, True, True, "hardware", "reference"),
                           test_utils=("test_schema", "test_faketensor"))

@@ -110,7 +110,7 @@ def _boundary_host_checks(cu_seqlens, start_pos, state_slot, out_slots, T, ratio
 # ------------------------------------------------------------------------------------------------
 # §7.6 compress_kv
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::compress_kv", mutates_args=("state_kv", "state_score", "cache", "cache_scale"))
+@dispatch.library_op("dsaquant::compress_kv", mutates_args=("state_kv", "state_score", "cache", "cache_scale"))
 def _compress_op(kv: Tensor, score: Tensor, ape: Tensor, state_kv: Tensor, state_score: Tensor, state_slot: Tensor,
                  cu_seqlens: Tensor, start_pos: Tensor, norm_weight: Tensor, epsilon: float,
                  cos_cache: Optional[Tensor], sin_cache: Optional[Tensor], out_slots: Tensor, cache: Tensor,
@@ -274,7 +274,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
 # ------------------------------------------------------------------------------------------------
 # §7.7 rope_rotate_quant
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::rope_rotate_quant", mutates_args=("out", "out_scale"))
+@dispatch.library_op("dsaquant::rope_rotate_quant", mutates_args=("out", "out_scale"))
 def _rope_rotate_op(out: Tensor, x: Tensor, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor, rope_dim: int,
                     out_scale: Optional[Tensor], group_size: int, shuffle_scale: bool, hadamard: bool, rounding: str,
                     backend: str) -> None:

@@ -139,3 +139,33 @@ def get(backend: str, op: str) -> Callable:
         return _impls[backend][op]
     except KeyError:
         raise BackendUnavailable(f"backend {backend!r} does not implement {op!r}") from None
+
+
+class _LibraryOp:
+    """A `torch.library` custom op whose eager calls skip the custom-op machinery.
+
+    Under torch.compile (and torch.export) the call goes through the registered custom op, so graphs see one
+    opaque node with its mutated arguments declared; the raw op stays reachable as torch.ops.dsaquant.<name>
+    for opcheck. An eager call runs the implementation directly: torch's Python dispatch of a mutating custom
+    op (version-counter bumps, default filling over the schema) costs on the order of 100 µs of host time a
+    call, more than most of these ops take on the GPU. The implementation only picks the backend's function
+    and calls it, which is what the custom op would run.
+    """
+
+    def __init__(self, fn: Callable, name: str, mutates_args):
+        self.fn = fn
+        self.op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+    def register_fake(self, fake: Callable) -> Callable:
+        return self.op.register_fake(fake)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        return self.fn(*args)
+
+
+def library_op(name: str, *, mutates_args) -> Callable[[Callable], _LibraryOp]:
+    """Decorator: `fn` registered as the custom op `name` (torch.library.custom_op's arguments), called
+    directly when eager (see _LibraryOp)."""
+    return lambda fn: _LibraryOp(fn, name, mutates_args)

@@ -28,7 +28,7 @@ def _call(op: str, backend: str, *args):
 # ------------------------------------------------------------------------------------------------
 # §7.1 indexer_qk_rope_quant_and_cache
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::indexer_qk_rope_quant_and_cache",
+@dispatch.library_op("dsaquant::indexer_qk_rope_quant_and_cache",
                          mutates_args=("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"))
 def _indexer_op(q: Tensor, q_out: Tensor, weights: Tensor, weights_out: Tensor, k: Tensor, kv_cache: Tensor,
                 slot_mapping: Tensor, norm_weight: Tensor, norm_bias: Tensor, positions: Tensor, cos_cache: Tensor,
@@ -145,7 +145,7 @@ def _check_ratio(compress_ratio):
         raise ValueError(f"compress_ratio: expected a power of two >= 1, got {compress_ratio}")
 
 
-@torch.library.custom_op("dsaquant::index_k_norm_rope_pack_store", mutates_args=("cache",))
+@dispatch.library_op("dsaquant::index_k_norm_rope_pack_store", mutates_args=("cache",))
 def _k_store_op(k: Tensor, norm_weight: Tensor, eps: float, positions: Tensor, freqs: Tensor, slots: Tensor,
                 cache: Tensor, compress_ratio: int, rounding: str, page_size: int, backend: str) -> None:
     _call("index_k_norm_rope_pack_store", backend, k, norm_weight, eps, positions, freqs, slots, cache,
@@ -184,7 +184,7 @@ def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, c
     _k_store_op(k, norm_weight, float(eps), positions, freqs, slots, cache, compress_ratio, rounding, P, name)
 
 
-@torch.library.custom_op("dsaquant::index_q_rope_pack_weights",
+@dispatch.library_op("dsaquant::index_q_rope_pack_weights",
                          mutates_args=("payload_out", "exps_out", "weights_out"))
 def _q_pack_op(q: Tensor, positions: Tensor, freqs: Tensor, head_weights: Tensor, weight_scale: float,
                rounding: str, payload_out: Tensor, exps_out: Tensor, weights_out: Tensor, backend: str) -> None:
@@ -227,7 +227,7 @@ def index_q_rope_pack_weights(q, positions, freqs, head_weights, weight_scale, r
     return payload, exps, w
 
 
-@torch.library.custom_op("dsaquant::rope_fake_quant_fp4", mutates_args=("out",))
+@dispatch.library_op("dsaquant::rope_fake_quant_fp4", mutates_args=("out",))
 def _fake_quant_op(x: Tensor, positions: Tensor, freqs: Tensor, block: int, scale: str, compress_ratio: int,
                    out: Tensor, backend: str) -> None:
     _call("rope_fake_quant_fp4", backend, x, positions, freqs, block, scale, compress_ratio, out)
@@ -269,7 +269,7 @@ def rope_fake_quant_fp4(x, positions, freqs, block=32, scale="ue8m0", *, compres
 # ------------------------------------------------------------------------------------------------
 # §7.3 aiter DeepSeek-V4 k writer
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::rmsnorm_rope_rotate_fp4quant_kvcache", mutates_args=("kv_cache", "kv_cache_scale"))
+@dispatch.library_op("dsaquant::rmsnorm_rope_rotate_fp4quant_kvcache", mutates_args=("kv_cache", "kv_cache_scale"))
 def _v4_k_op(kv: Tensor, norm_weight: Tensor, epsilon: float, positions: Tensor, cos_cache: Tensor,
              sin_cache: Tensor, slot_mapping: Tensor, kv_cache: Tensor, kv_cache_scale: Tensor, hadamard: bool,
              rounding: str, layout: str, page_size: int, backend: str) -> None:
@@ -327,7 +327,7 @@ def rmsnorm_rope_rotate_fp4quant_kvcache(kv, norm_weight, epsilon, positions, co
 # ------------------------------------------------------------------------------------------------
 # §7.4 scorer
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::paged_mqa_logits", mutates_args=("out",))
+@dispatch.library_op("dsaquant::paged_mqa_logits", mutates_args=("out",))
 def _scorer_op(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_tables: Tensor,
                max_seq_len: int, layout: str, q_scale: Optional[Tensor], kv_cache_scale: Optional[Tensor],
                weight_scale: float, preshuffle: bool, fp8_flavour: str, page_size: int, clean_logits: bool,

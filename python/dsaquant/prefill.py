@@ -95,7 +95,7 @@ def _ranges(ks, ke, SKV: int):
 # ------------------------------------------------------------------------------------------------
 # mqa_logits
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::mqa_logits", mutates_args=("out",))
+@dispatch.library_op("dsaquant::mqa_logits", mutates_args=("out",))
 def _logits_op(q: Tensor, q_scale: Optional[Tensor], k: Tensor, k_scale: Tensor, weights: Tensor, lo: Tensor,
                hi: Tensor, base: Tensor, out: Tensor, layout: str, fp8_flavour: str, exact: bool, clean_logits: bool,
                compressed: bool, backend: str) -> None:
@@ -157,7 +157,7 @@ def mqa_logits(q, k, weights, ks, ke, *, layout="fp8", q_scale=None, k_scale=Non
 # ------------------------------------------------------------------------------------------------
 # mqa_topk
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::mqa_topk", mutates_args=())
+@dispatch.library_op("dsaquant::mqa_topk", mutates_args=())
 def _topk_op(q: Tensor, q_scale: Optional[Tensor], k: Tensor, k_scale: Tensor, weights: Tensor, lo: Tensor,
              hi: Tensor, base: Tensor, topk: int, layout: str, fp8_flavour: str, exact: bool, backend: str) -> Tensor:
     return _call("mqa_topk", backend, q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_flavour,
@@ -198,7 +198,7 @@ def mqa_topk(q, k, weights, ks, ke, topk, *, layout="fp8", q_scale=None, k_scale
 # ------------------------------------------------------------------------------------------------
 # gather_index_cache
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("dsaquant::gather_index_cache", mutates_args=("out", "out_scale", "flag"))
+@dispatch.library_op("dsaquant::gather_index_cache", mutates_args=("out", "out_scale", "flag"))
 def _gather_op(kv_cache: Tensor, kv_cache_scale: Optional[Tensor], block_table: Tensor, cu_seqlens: Tensor,
                layout: str, page_size: int, preshuffle: bool, out: Tensor, out_scale: Tensor, flag: Tensor,
                backend: str) -> None:

@@ -14,7 +14,7 @@ from . import validate as V
 INT32_MAX = 2**31 - 1
 
 
-@torch.library.custom_op("dsaquant::topk_indices", mutates_args=("out",))
+@dispatch.library_op("dsaquant::topk_indices", mutates_args=("out",))
 def _topk_op(logits: Tensor, k: int, context_lens: Optional[Tensor], next_n: int, ks: Optional[Tensor],
              ke: Optional[Tensor], relative: bool, out: Tensor, backend: str) -> None:
     dispatch.get(backend, "topk_indices")(logits, k, context_lens, next_n, ks, ke, relative, out)
