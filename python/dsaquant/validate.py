@@ -54,6 +54,10 @@ def number(name: str, value, kinds=(int, float)) -> None:
         raise ValueError(f"{name}: expected a finite number, got {value!r}")
 
 
+_FP32_ZERO_BELOW = 2.0 ** -150
+_FP32_INF_FROM = 2.0 ** 128 * (1 - 2.0 ** -25)
+
+
 def epsilon(name: str, value) -> None:
     """A norm's epsilon: a finite Python number > 0 that stays > 0 and finite once rounded to fp32 (every
     backend adds it to the variance in fp32). A negative epsilon can make `var + eps` negative and its square
@@ -62,8 +66,11 @@ def epsilon(name: str, value) -> None:
     number(name, value)
     if value <= 0:
         raise ValueError(f"{name}: expected a number > 0, got {value!r}")
-    as_fp32 = torch.tensor(float(value), dtype=torch.float32).item()
-    if as_fp32 == 0 or math.isinf(as_fp32):
+    # fp32 round-to-nearest-even of a positive double: 0 at or below 2^-150 (half the smallest subnormal, a tie
+    # that goes to 0), inf at or above 2^128 (1 - 2^-25) (halfway between the largest finite fp32 and 2^128).
+    # Plain comparisons, so that torch.compile traces them as constants.
+    if value <= _FP32_ZERO_BELOW or value >= _FP32_INF_FROM:
+        as_fp32 = 0.0 if value <= _FP32_ZERO_BELOW else math.inf
         raise ValueError(f"{name}: expected a number > 0 and finite in fp32, got {value!r} (fp32: {as_fp32!r})")
 
 
