@@ -546,12 +546,12 @@ def test_custom_ops_opcheck_and_compile():
     lo, hi = P._ranges(*RANGES, 80)
     base = torch.zeros(6, dtype=torch.int32)
     args = (a["q"], a["q_scale"], a["k"], a["k_scale"], a["weights"], lo, hi, base)
-    torch.library.opcheck(P._logits_op, (*args, torch.empty(6, 80), "fp4", "e4m3fn", True, True, False, "reference"))
-    torch.library.opcheck(P._topk_op, (*args, 8, "fp4", "e4m3fn", True, "reference"))
+    torch.library.opcheck(P._logits_op.op, (*args, torch.empty(6, 80), "fp4", "e4m3fn", True, True, False, "reference"))
+    torch.library.opcheck(P._topk_op.op, (*args, 8, "fp4", "e4m3fn", True, "reference"))
     g = make_gather("packed68")
-    torch.library.opcheck(P._gather_op, (g["cache"], None, g["table"], g["cu"], "packed68", 16, False,
-                                         torch.empty(58, 64, dtype=torch.uint8), torch.empty(58, 4, dtype=torch.uint8),
-                                         torch.zeros(1, dtype=torch.int32), "reference"))
+    torch.library.opcheck(P._gather_op.op, (g["cache"], None, g["table"], g["cu"], "packed68", 16, False,
+                                            torch.empty(58, 64, dtype=torch.uint8), torch.empty(58, 4, dtype=torch.uint8),
+                                            torch.zeros(1, dtype=torch.int32), "reference"))
     f = torch.compile(lambda q, k, w: dsaquant.mqa_topk(q, k, w, RANGES[0], RANGES[1], 8, layout="fp4",
                                                         q_scale=a["q_scale"], k_scale=a["k_scale"], exact=True),
                       fullgraph=True, backend="aot_eager")
