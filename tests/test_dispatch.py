@@ -211,9 +211,13 @@ def test_library_op_eager_call_skips_the_custom_op(monkeypatch):
     def refuse(*args):
         raise AssertionError("an eager call went through the custom op")
 
+    versions = {n: a[n]._version for n in ("q_out", "kv_cache", "q")}
     with monkeypatch.context() as m:
         m.setattr(ops._indexer_op, "op", refuse)
         ops.indexer_qk_rope_quant_and_cache(**a, backend="reference")
+    # the mutated arguments' version counters move (autograd sees the writes), the inputs' do not
+    assert a["q_out"]._version > versions["q_out"] and a["kv_cache"]._version > versions["kv_cache"]
+    assert a["q"]._version == versions["q"]
     with monkeypatch.context() as m:   # the path a compiled graph takes: the registered custom op
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         m.setattr(ops._indexer_op, "fn", refuse)
@@ -221,3 +225,18 @@ def test_library_op_eager_call_skips_the_custom_op(monkeypatch):
     for n in ("q_out", "weights_out", "kv_cache", "q_scale_out", "kv_cache_scale"):
         assert torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)), n
     assert bool((a["kv_cache"] != 0).any())
+
+
+def test_library_op_eager_call_bumps_the_mutated_versions():
+    """A kernel writes through a pointer, which autograd does not see: the eager path bumps the version
+    counters of the declared mutated arguments itself (the custom op's dispatch would), and only theirs."""
+    calls = []
+
+    def touch(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:   # writes nothing torch can see
+        calls.append(scale)
+
+    op = dispatch.library_op("dsaquant_test::touch_versions", mutates_args=("x",))(touch)
+    x, y = torch.zeros(3), torch.zeros(3)
+    vx, vy = x._version, y._version
+    op(x, y, 2.0)
+    assert calls == [2.0] and x._version > vx and y._version == vy

@@ -41,8 +41,10 @@ def check_server_snippet(ns: dict) -> None:
     assert torch.equal(w_out.cpu(), ns["w_out"].cpu())
     ref = dsaquant.paged_mqa_logits(q_out[-1:].view(1, 1, H, 128), kv, w_out[-1:], ns["context_lens"],
                                     ns["block_tables"], T, layout="fp8_132", backend="reference")
-    # the GPU scorer may take an FP8 tensor-core dot (relative error about 1e-4 of the largest logit)
-    torch.testing.assert_close(logits.cpu(), ref.cpu(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+    if logits.device.type == "cpu":   # the snippet ran on the reference itself
+        assert torch.equal(logits, ref)
+    else:   # the GPU scorer may take an FP8 tensor-core dot (relative error about 1e-4 of the largest logit)
+        torch.testing.assert_close(logits.cpu(), ref.cpu(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
     assert bool((kv[1:] == 0).all())                      # T = 64 slots fill page 0 only
     # the logits from the cache bytes by SPEC §6 and §7.4 alone: codes at 128*o + d, fp32 scales at 128*P + 4*o
     P = ns["P"]
@@ -50,8 +52,13 @@ def check_server_snippet(ns: dict) -> None:
     k_deq = page[:128 * T].view(torch.float8_e4m3fn).float().view(T, 128)
     k_deq = k_deq * page[128 * P:128 * P + 4 * T].view(torch.float32).unsqueeze(1)
     q_deq = q_out[-1].cpu().view(torch.uint8).view(torch.float8_e4m3fn).float()             # [H, 128]
-    want = (torch.relu(q_deq.double() @ k_deq.double().T) * w_out[-1].cpu().double().unsqueeze(1)).sum(0)
-    torch.testing.assert_close(logits[0].cpu().double(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+    w = w_out[-1].cpu().double().unsqueeze(1)
+    want = (torch.relu(q_deq.double() @ k_deq.double().T) * w).sum(0)
+    # docs/scorer.md's bounds: within 1e-3 * mag on every backend (FP8 tensor cores), 3e-5 * mag where the dot
+    # is accumulated in fp32 (the reference the CPU runs), mag = sum_h |w_h| sum_d |q_hd k_pd|
+    mag = ((q_deq.double().abs() @ k_deq.double().abs().T) * w.abs()).sum(0)
+    bound = (3e-5 if logits.device.type == "cpu" else 1e-3) * mag
+    assert bool(((logits[0].cpu().double() - want).abs() <= bound).all())
 
 
 def test_readme_has_the_server_snippet():

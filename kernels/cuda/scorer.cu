@@ -9,9 +9,9 @@
 //     rows in the 128-byte swizzle that wgmma reads; positions past the context or whose page is out of
 //     range are zero-filled, never read;
 //   * both tiles' four m64nNTk32 wgmma (K = 128) are issued into two accumulator sets (NT <= 64), and
-//     tile 2p's epilogue runs while tile 2p + 1's wgmma does: times the row scale, relu (NaN kept), times the head
-//     weight, summed over the heads of each query (in-thread, then across the four lanes of a row),
-//     times weight_scale, stored; -inf past the context;
+//     tile 2p's epilogue runs while tile 2p + 1's wgmma does: times the row scale, relu (NaN kept), times
+//     the head weight, summed over the heads of each query (in-thread, then across the four lanes of a
+//     row), times weight_scale, stored; -inf past the context;
 //   * FP4 layouts feed wgmma's A operand from registers: each thread expands the packed E2M1 codes of its
 //     own two rows to e4m3 (a prmt table lookup; every E2M1 value is exact in e4m3), with a row's four
 //     UE8M0 block exponents folded into the values relative to the row's largest (value * 2^(6 - (emax
@@ -145,7 +145,8 @@ __device__ __forceinline__ uint2 expand8(uint32_t w, uint32_t lo, uint32_t hi) {
   return r;
 }
 // The magnitude table of exponent distance d = emax - e (fp4 rows fold their block exponents relative
-// to the row's largest): the eight E2M1 magnitudes times 2^(6 - d); d = 32 is a zero-scale block.
+// to the row's largest): the eight E2M1 magnitudes times 2^(6 - d), i.e. e2m1_table of a block d binades
+// below its row's largest; d = 32 is a zero-scale block.
 __device__ __forceinline__ void fp4_table(int d, uint32_t& lo, uint32_t& hi) {
   if (d >= 32) {
     lo = hi = 0;
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, FP4>) paged_logits_
       sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
     }
   } else {
-    if (tid < kLutEntries) {   // the magnitude table of each exponent distance (fp4_lut)
+    if (tid < kLutEntries) {   // the magnitude table of each exponent distance (fp4_table)
       uint32_t lo, hi;
       fp4_table(tid, lo, hi);
       slut[tid] = make_uint2(lo, hi);
@@ -643,11 +644,6 @@ constexpr const char* kDeviceCode = DSQ_DEVICE_CODE;   // the build's targets (t
 constexpr const char* kDeviceCode = "";
 #endif
 
-struct DeviceInfo {
-  int sms = 0, major = 0, minor = 0;
-  bool wgmma = false;   // the kernel body runs here: see has_wgmma_kernel
-};
-
 // Whether the scorer kernel that runs on the current device is the wgmma one. Its body exists only in sm_90a code
 // (elsewhere the kernel is empty), so: a 9.0 device, a build that holds sm_90a code (compute_90 PTX or an sm_90
 // cubin compile to the empty body too), and the code the runtime picked for the device compiled from it (not a
@@ -662,20 +658,15 @@ bool has_wgmma_kernel(int major, int minor) {
   return attr.binaryVersion == 90 && attr.ptxVersion >= 90;
 }
 
-DeviceInfo device_info(int dev) {
-  static std::mutex mu;
-  static DeviceInfo cache[64];
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < 0 || dev >= 64) return DeviceInfo{};
-  DeviceInfo& d = cache[dev];
-  if (d.sms == 0) {
-    const dsqdev::DeviceScope scope(dev);   // cudaFuncGetAttributes reads the current device
-    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, dev);
-    d.wgmma = scope.error() == 0 && has_wgmma_kernel(d.major, d.minor);
-  }
-  return d;
+// has_wgmma_kernel for device `dev` (0 <= dev < kMaxDevices, the current device), read once per device.
+bool wgmma_on(int dev) {
+  static std::once_flag once[dsqdev::kMaxDevices];
+  static bool ok[dsqdev::kMaxDevices];
+  std::call_once(once[dev], [dev] {
+    const dsqdev::DeviceProps& p = dsqdev::device_props(dev);
+    ok[dev] = p.error == 0 && has_wgmma_kernel(p.cc_major, p.cc_minor);
+  });
+  return ok[dev];
 }
 
 // CTAs of one kernel that fit on an SM at once (shared memory, registers), per device; the page list
@@ -684,9 +675,9 @@ constexpr int kPageAllowance = 256;
 template <int H, int NQ, bool FP4>
 int resident_ctas(int dev) {
   static std::mutex mu;
-  static int cache[64] = {};
+  static int cache[dsqdev::kMaxDevices] = {};
   std::lock_guard<std::mutex> lock(mu);
-  if (dev < 0 || dev >= 64) return 1;
+  if (dev < 0 || dev >= dsqdev::kMaxDevices) return 1;
   if (cache[dev] == 0) {
     const int bytes = smem_plan(H * NQ, FP4, kPageAllowance).total + 1024;
     auto kernel = paged_logits_kernel<H, NQ, FP4>;
@@ -749,20 +740,19 @@ int dispatch_h(const DsqPagedLogitsArgs& a, int sms, cudaStream_t s) {
 }  // namespace
 
 extern "C" int dsq_paged_mqa_logits(const DsqPagedLogitsArgs* args, void* stream) {
+  if (args == nullptr) return cudaErrorInvalidValue;
   const DsqPagedLogitsArgs& a = *args;
-  const DeviceInfo info = device_info(a.device);
-  if (!info.wgmma) return cudaErrorNotSupported;   // wgmma: sm_90a code on a 9.0 device only
+  if (a.device < 0 || a.device >= dsqdev::kMaxDevices) return cudaErrorInvalidDevice;
+  const dsqdev::DeviceScope scope(static_cast<int>(a.device));   // launch on the tensors' device, restore after
+  if (scope.error() != 0) return scope.error();
+  if (!wgmma_on(a.device)) return cudaErrorNotSupported;   // wgmma: sm_90a code on a 9.0 device only
   if (a.page_size < 4 || a.page_size % 4 || a.max_seq_len >= (int64_t{1} << 30)) return cudaErrorNotSupported;
   if (a.layout == DSQ_SCORER_AITER_FP4 && (a.page_size % 16 || a.page_size > 128 || (a.page_size < 64 && 64 % a.page_size)))
     return cudaErrorNotSupported;
   if (a.B == 0 || a.N == 0 || a.max_seq_len == 0) return cudaSuccess;
-  int prev = -1;
-  cudaGetDevice(&prev);
-  if (prev != a.device) cudaSetDevice(a.device);
+  const int sms = dsqdev::device_props(a.device).sm_count;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int err = a.layout == DSQ_SCORER_FP8_132 ? dispatch_h<false>(a, info.sms, s) : dispatch_h<true>(a, info.sms, s);
-  if (prev != a.device && prev >= 0) cudaSetDevice(prev);
-  return err;
+  return a.layout == DSQ_SCORER_FP8_132 ? dispatch_h<false>(a, sms, s) : dispatch_h<true>(a, sms, s);
 }
 
 extern "C" int dsq_paged_mqa_logits_layout(int64_t* out, int n) {

@@ -12,6 +12,7 @@ A forced backend that is missing, or that lacks the op, raises BackendUnavailabl
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import threading
 from typing import Callable
@@ -146,15 +147,17 @@ class _LibraryOp:
 
     Under torch.compile (and torch.export) the call goes through the registered custom op, so graphs see one
     opaque node with its mutated arguments declared; the raw op stays reachable as torch.ops.dsaquant.<name>
-    for opcheck. An eager call runs the implementation directly: torch's Python dispatch of a mutating custom
-    op (version-counter bumps, default filling over the schema) costs on the order of 100 µs of host time a
-    call, more than most of these ops take on the GPU. The implementation only picks the backend's function
-    and calls it, which is what the custom op would run.
+    for opcheck. An eager call runs the implementation directly, then bumps the version counters of the
+    mutated tensors as the custom op would (autograd's in-place checks see the writes): torch's Python
+    dispatch of a mutating custom op rebuilds the schema's argument list for its default filling and costs
+    on the order of 100 µs of host time a call, more than most of these ops take on the GPU.
     """
 
     def __init__(self, fn: Callable, name: str, mutates_args):
         self.fn = fn
         self.op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        params = list(inspect.signature(fn).parameters)
+        self._mutated = tuple(params.index(n) for n in mutates_args)
 
     def register_fake(self, fake: Callable) -> Callable:
         return self.op.register_fake(fake)
@@ -162,7 +165,11 @@ class _LibraryOp:
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.op(*args)
-        return self.fn(*args)
+        out = self.fn(*args)
+        written = [args[i] for i in self._mutated if isinstance(args[i], torch.Tensor)]
+        if written:
+            torch.autograd.graph.increment_version(written)
+        return out
 
 
 def library_op(name: str, *, mutates_args) -> Callable[[Callable], _LibraryOp]:

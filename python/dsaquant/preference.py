@@ -86,6 +86,10 @@ def size_key(op: str, n) -> int:
     return key
 
 
+def _then_default(first: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(first) + tuple(b for b in default if b not in first)
+
+
 def order(vendor: str, op: str, size: int | None = None, variant: str | None = None) -> tuple[str, ...]:
     """Backends to try, in order, for `op` on a GPU of `vendor` ("nvidia" or "amd"), a call of `size`
     tokens (None: not known) and `variant`: the first matching rule's order followed by the default
@@ -95,7 +99,7 @@ def order(vendor: str, op: str, size: int | None = None, variant: str | None = N
     default = DEFAULT[vendor]
     for rule in TABLE.get(vendor, {}).get(op, ()):
         if rule.matches(size, variant):
-            return tuple(rule.order) + tuple(b for b in default if b not in rule.order)
+            return _then_default(rule.order, default)
     return default
 
 
@@ -113,7 +117,6 @@ def describe(vendor: str) -> list[str]:
                 hi = "" if r.max_size is None else f" < {r.max_size}"
                 when.append(f"{lo}T{hi}")
             cond = f" [{', '.join(when)}]" if when else ""
-            full = tuple(r.order) + tuple(b for b in default if b not in r.order)
-            lines.append(f"{op}{cond}: {' > '.join(full)}")
+            lines.append(f"{op}{cond}: {' > '.join(_then_default(r.order, default))}")
     lines.append(f"every other op, variant and size: {' > '.join(default)}")
     return lines
