@@ -43,11 +43,15 @@ struct DeviceProps {
   int cc_major = 0, cc_minor = 0;
 };
 
-// The properties of `device` (0 <= device < kMaxDevices), read on the first call for that device.
+// The properties of `device` (0 <= device < kMaxDevices), read on the first call for that device. (A mutex,
+// not std::call_once: call_once's thunk for a lambda of this inline function would be a default-visibility
+// std template instance, exported from the library.)
 inline const DeviceProps& device_props(int device) {
   static DeviceProps props[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
+  static bool read[kMaxDevices] = {};
+  static std::mutex mu;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (!read[device]) {
     DeviceProps& p = props[device];
     const struct { int* out; cudaDeviceAttr attr; } queries[] = {
         {&p.sm_count, cudaDevAttrMultiProcessorCount},
@@ -59,7 +63,8 @@ inline const DeviceProps& device_props(int device) {
       if (err != 0 && p.error == 0) p.error = err;
     }
     if (p.error != 0) static_cast<void>(cudaGetLastError());   // as in DeviceScope: not a later launch's error
-  });
+    read[device] = true;
+  }
   return props[device];
 }
 
