@@ -235,6 +235,8 @@ def test_library_op_eager_call_bumps_the_mutated_versions():
     def touch(x: torch.Tensor, y: torch.Tensor, scale: float) -> None:   # writes nothing torch can see
         calls.append(scale)
 
+    # real types, not this module's postponed strings (torch 2.4 reads custom-op schemas from them)
+    touch.__annotations__ = {"x": torch.Tensor, "y": torch.Tensor, "scale": float, "return": None}
     op = dispatch.library_op("dsaquant_test::touch_versions", mutates_args=("x",))(touch)
     x, y = torch.zeros(3), torch.zeros(3)
     vx, vy = x._version, y._version

@@ -166,9 +166,9 @@ class _LibraryOp:
         if torch.compiler.is_compiling():
             return self.op(*args)
         out = self.fn(*args)
-        written = [args[i] for i in self._mutated if isinstance(args[i], torch.Tensor)]
-        if written:
-            torch.autograd.graph.increment_version(written)
+        for i in self._mutated:   # one tensor a call: torch 2.4's increment_version takes no list
+            if isinstance(args[i], torch.Tensor):
+                torch.autograd.graph.increment_version(args[i])
         return out
 
 
