@@ -191,15 +191,17 @@ def compress_bytes(a, starts, lens) -> int:
             + 12 * len(lens) + len(bnd) * cs)
 
 
-def v4_cases():
+def v4_cases(tokens=(8192,)):
     """(label, tokens, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int, variant) of the
-    DeepSeek-V4 rows (variant: preference.variant of the call): compress_kv decode (64 sequences of one token, ratio 4, about a quarter of them at a boundary) and prefill
-    (one 8192-token prompt, ratio 4 and ratio 128), FP4 packed68 with bf16 inputs; rope_rotate_quant at
-    T = 8192, H = 64, D = 128 into FP4 with the shuffled (aiter) scales."""
+    DeepSeek-V4 rows (variant: preference.variant of the call), FP4 packed68 with bf16 inputs: compress_kv decode
+    (64 sequences of one token, ratio 4, about a quarter of them at a boundary) and, for each T of `tokens`,
+    compress_kv prefill (one T-token prompt, ratio 4 and ratio 128) and rope_rotate_quant (H = 64, D = 128, into
+    FP4 with the shuffled (aiter) scales)."""
     dec_starts, dec_lens = tuple(1000 + 4 * b + (b % 4) for b in range(64)), (1,) * 64
-    for label, starts, lens, ratio in (("compress_kv decode B=64 r4 fp4", dec_starts, dec_lens, 4),
-                                       ("compress_kv prefill r4 fp4", (0,), (8192,), 4),
-                                       ("compress_kv prefill r128 fp4", (0,), (8192,), 128)):
+    compress_rows = [("compress_kv decode B=64 r4 fp4", dec_starts, dec_lens, 4)]
+    for T in tokens:
+        compress_rows += [("compress_kv prefill r4 fp4", (0,), (T,), 4), ("compress_kv prefill r128 fp4", (0,), (T,), 128)]
+    for label, starts, lens, ratio in compress_rows:
         def make(s, starts=starts, lens=lens, ratio=ratio):
             return tt.make_compress_kv(starts=starts, lens=lens, ratio=ratio, device="cuda", seed=s,
                                        quant_mode="fp4", negatives=False, dtype=torch.bfloat16,
@@ -207,17 +209,17 @@ def v4_cases():
         yield (label, sum(lens), "compress_kv", compress.compress_kv, make,
                lambda a, starts=starts, lens=lens: compress_bytes(a, starts, lens),
                preference.variant("compress_kv", ratio=ratio))
-    T, H = 8192, 64
+    H = 64
+    for T in tokens:
+        def rr_bytes(a, T=T):
+            return (_nbytes(a["x"]) + _nbytes(a["out"]) + _nbytes(a["out_scale"]) + _nbytes(a["positions"])
+                    + T * 2 * 32 * a["cos_cache"].element_size())
+        yield ("rope_rotate_quant fp4 H=64", T, "rope_rotate_quant", compress.rope_rotate_quant,
+               lambda s, T=T: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes,
+               preference.variant("rope_rotate_quant", out_format="fp4"))
 
-    def rr_bytes(a):
-        return (_nbytes(a["x"]) + _nbytes(a["out"]) + _nbytes(a["out_scale"]) + _nbytes(a["positions"])
-                + T * 2 * 32 * a["cos_cache"].element_size())
-    yield ("rope_rotate_quant fp4 H=64", T, "rope_rotate_quant", compress.rope_rotate_quant,
-           lambda s: tt.make_rope_rotate_quant(T=T, H=H, device="cuda", seed=s), rr_bytes,
-           preference.variant("rope_rotate_quant", out_format="fp4"))
 
-
-def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100, log=print, v4=True,
+def run(tokens=(1, 64, 1024, 8192, 32768), heads=64, backends=None, graph_calls=100, log=print, v4=True,
         scorer=True, prefill=True):
     bw, read_bw = copy_bandwidth(), hbm_read_bandwidth()
     log(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {bw:.0f} GB/s   "
@@ -250,7 +252,7 @@ def run(tokens=(1, 16, 64, 1024, 8192), heads=64, backends=None, graph_calls=100
     for T in tokens:
         for label, op, fn, make, nbytes in cases(T, heads):
             bench_case(label, T, op, fn, make, nbytes, heads)
-    for label, T, op, fn, make, nbytes, variant in (v4_cases() if v4 else ()):
+    for label, T, op, fn, make, nbytes, variant in (v4_cases(tokens) if v4 else ()):
         bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None, variant)
     from .bench_topk import topk_rows
     rows += topk_rows(backends, bw, read_bw, log=log)
@@ -318,7 +320,7 @@ def format_table(res) -> str:
 
 def add_arguments(p) -> None:
     """The bench's options, on an argparse parser (the CLI's `bench` subcommand uses them)."""
-    p.add_argument("--tokens", default="1,16,64,1024,8192", help="comma list of T (default 1,16,64,1024,8192)")
+    p.add_argument("--tokens", default="1,64,1024,8192,32768", help="comma list of T (default 1,64,1024,8192,32768)")
     p.add_argument("--heads", type=int, default=64, help="H, the query heads (default 64)")
     p.add_argument("--backends", default=None, help="comma list (default: every available GPU backend)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
@@ -327,7 +329,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill rows (mqa_logits, mqa_topk)")
     p.add_argument("--no-writers", action="store_true", help="skip the writer rows (indexer, k writers, V4 ops)")
     p.add_argument("--no-v4", action="store_true",
-                   help="skip the DeepSeek-V4 rows (compress_kv decode/prefill, rope_rotate_quant T=8192 H=64)")
+                   help="skip the DeepSeek-V4 rows (compress_kv decode, compress_kv prefill and rope_rotate_quant at each T)")
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 when the automatic choice is more than 10 %% slower than the fastest "
                         "backend measured for some op and size (the summary line is printed either way)")
