@@ -174,6 +174,10 @@ V4_VARIANTS = {  # name -> (prepare function name, args); "-soft": the DSAQUANT_
     "compress_state-fp32-C512": ("compress_state", lambda: _compress_state(ratio=128, D=512, dtype=torch.float32)),
     "rope_rotate-fp4-shuffled-bf16": ("rope_rotate", lambda: _rope_rotate(T=8, H=64)),
     "rope_rotate-fp4-shuffled-bf16-soft": ("rope_rotate", lambda: _rope_rotate(T=8, H=64)),
+    "rope_rotate-fp4-shuffled-H16-fp32-rne-nohadamard": ("rope_rotate", lambda: _rope_rotate(
+        T=4, H=16, dtype=torch.float32, cs_dtype=torch.float32, rounding="rne", hadamard=False)),
+    "rope_rotate-fp4-dense-g32-fp16-threshold": ("rope_rotate", lambda: _rope_rotate(
+        T=4, H=8, dtype=torch.float16, group_size=32, shuffle_scale=False, rounding="threshold")),
     "rope_rotate-fp4-dense-g16-D1024-fp16-threshold": ("rope_rotate", lambda: _rope_rotate(
         T=4, H=4, D=1024, dtype=torch.float16, group_size=16, shuffle_scale=False, rounding="threshold")),
     "rope_rotate-fp8-e4m3fn-D512": ("rope_rotate", lambda: _rope_rotate(T=4, H=8, D=512, out="e4m3fn")),

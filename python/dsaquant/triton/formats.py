@@ -661,6 +661,43 @@ def e2m1_index_float(v, s, P, SIGN: tl.constexpr):
 
 
 @triton.jit
+def e2m1_index_float_any(x, e, POLICY: tl.constexpr):
+    """fp4_encode_tile's code of every x with block exponent e (int32 1..255, broadcast against x), as an index
+    float of e2m1_index_float (the pair packer takes both): v = x * 2^(127-e) as the reference divides, then
+    rne(|v|) by the magic-number rounding on the unscaled grid (|v| < 7 by rule recip), ties toward zero under
+    threshold (a sum that went up by exactly half the quantum steps back). Signs as the reference: hardware the
+    sign bit of x, rne and threshold x < 0 with a nonzero index; a NaN x gives 0x7, e = 255 gives 0x7 (hardware:
+    x's sign | 0x7, a NaN x 0x7). Elementwise, for the general paths of the fast kernels."""
+    a = tl.abs(x * pow2_inv(e))
+    m = from_bits((as_bits(tl.maximum(a, 1.0)) & 0x7F800000) + (22 << 23))
+    d = (a + m) - m
+    if POLICY == ROUND_THRESHOLD:
+        d = tl.where(d - a == m * (2.0 ** -24), d - m * (2.0 ** -23), d)
+    fb = as_bits(d * (2.0 ** -126))
+    if POLICY == ROUND_HARDWARE:
+        sg = as_bits(x) & -2147483648
+        fill = sg | 0x01C00000
+    else:
+        sg = as_bits(x) & -2147483648 & -fb                    # -fb has bit 31 set exactly where fb != 0
+        fill = tl.full(fb.shape, 0x01C00000, tl.int32)
+    fb = tl.where(e == 255, fill, fb | sg)
+    return from_bits(tl.where(x != x, 0x01C00000, fb))
+
+
+@triton.jit
+def amax_pairs(xe, xo, NATIVE: tl.constexpr):
+    """SPEC §0.3 block amax (NaN ignored, all NaN: 0) of blocks given as even/odd elements [..., 16] -> [...]."""
+    a = tl.maximum(tl.abs(xe), tl.abs(xo))
+    if NATIVE:
+        return tl.maximum(tl.max(a, axis=len(a.shape) - 1), 0.0)
+    else:
+        b = tl.abs(xe)
+        c = tl.abs(xo)
+        a = tl.maximum(tl.where(b != b, 0.0, b), tl.where(c != c, 0.0, c))
+        return tl.max(a, axis=len(a.shape) - 1)
+
+
+@triton.jit
 def pack_index_pairs(fe, fo):
     """Index floats (e2m1_index_float: sign at bit 31, index at bits 22..24, the other bits 0) of elements 2i
     (fe) and 2i+1 (fo), any equal shapes -> bytes (uint8), 2i's code in the low nibble, 2i+1's in the high one.

@@ -437,23 +437,22 @@ def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s
 # §7.2 index_q_rope_pack_weights
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _row_split(pid, T, R: tl.constexpr, H: tl.constexpr, ROWS32: tl.constexpr):
-    """Rows [pid*R, pid*R + R) of the T*H (token, head) rows: (r, t, h int64 [R], r in range [R]), t and h those of
-    row min(r, T*H - 1), so that loads by (t, h) need no mask. H is a constexpr: the split is a multiply and a
-    shift, in 32 bits when ROWS32 (every row index < 2^31)."""
-    if ROWS32:
-        r32 = pid * R + tl.arange(0, R)
-        c32 = tl.minimum(r32, T * H - 1)
-        t32 = c32 // H
-        return r32.to(tl.int64), t32.to(tl.int64), (c32 - t32 * H).to(tl.int64), r32 < T * H
+def row_split(pid, T, R: tl.constexpr, H: tl.constexpr, I32: tl.constexpr):
+    """Rows [pid*R, pid*R + R) of the T*H (token, head) rows: (r, t, h [R], r in range [R]), t and h those of row
+    min(r, T*H - 1), so that loads by (t, h) need no mask. H is a constexpr: the split is a multiply and a shift.
+    I32 (the launch's offsets all below 2^31): int32 indices, otherwise int64."""
+    if I32:
+        r = pid * R + tl.arange(0, R)
+        c = tl.minimum(r, T * H - 1)
     else:
         r = pid.to(tl.int64) * R + tl.arange(0, R)
         c = tl.minimum(r, T.to(tl.int64) * H - 1)
-        return r, c // H, c % H, r < T * H
+    t = c // H
+    return r, t, c - t * H, r < T * H
 
 
 @triton.jit
-def _load_pairs(ptr, off, KIND: tl.constexpr, PAIRS: tl.constexpr, NATIVE: tl.constexpr):
+def load_pairs(ptr, off, KIND: tl.constexpr, PAIRS: tl.constexpr, NATIVE: tl.constexpr):
     """Blocks of 32 elements starting at `off` (offsets [A, B] in units of ptr's elements, all valid): (even, odd)
     fp32 [A, B, 16], elements 2i and 2i+1. Each lane loads its block whole, 16 bytes a load. PAIRS: a bf16
     tensor passed as int32 words (two elements each, the even one in the low half): one shift or mask per
@@ -472,7 +471,7 @@ def _load_pairs(ptr, off, KIND: tl.constexpr, PAIRS: tl.constexpr, NATIVE: tl.co
 
 
 @triton.jit
-def _load_f32_pairs(ptr, off):
+def load_f32_pairs(ptr, off):
     """fp32 pairs (2i, 2i+1), i < 16, at offsets off [A, B] (elements, all valid): two [A, B, 16] tensors, 16
     bytes a load."""
     A: tl.constexpr = off.shape[0]
@@ -485,7 +484,7 @@ def _load_f32_pairs(ptr, off):
 def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w_ptr, sw_t, sw_h, wscale,
                        pay_ptr, exp_ptr, wo_ptr, T, err_ptr,
                        X_KIND: tl.constexpr, W_KIND: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
-                       NATIVE: tl.constexpr, PAIRS: tl.constexpr, H: tl.constexpr, ROWS32: tl.constexpr):
+                       NATIVE: tl.constexpr, PAIRS: tl.constexpr, H: tl.constexpr, I32: tl.constexpr):
     """SPEC §7.2 index_q_rope_pack_weights for rows [pid*BLOCK, pid*BLOCK + BLOCK) of the T*H rows. Lane (u, row)
     holds blocks u (head) and u + 2 (tail) of a row, as even/odd element pairs: the RoPE pairs, the payload
     bytes' nibble pairs, and every block reduction without crossing lanes. The two stages in closed form
@@ -493,7 +492,7 @@ def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w
     takes the general path for all of its rows."""
     R: tl.constexpr = BLOCK
     UNIT: tl.constexpr = 16 if PAIRS else 32          # a block of 32 elements in units of q_ptr's elements
-    r, t, h, act = _row_split(tl.program_id(0), T, R, H, ROWS32)
+    r, t, h, act = row_split(tl.program_id(0), T, R, H, I32)
     p, bad_pos = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
     code = tl.max(bad_pos.to(tl.int32), axis=0) * POS_ERR
     tl.atomic_or(err_ptr, code, mask=code != 0)
@@ -503,10 +502,10 @@ def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w
     u = tl.arange(0, 2)[:, None]                                   # [2, 1]: block u and u + 2
     m2 = act[None, :] & (u >= 0)                                   # [2, R]
     base = (t * sq_t + h * sq_h)[None, :] + u * UNIT
-    he, ho = _load_pairs(q_ptr, base, X_KIND, PAIRS, NATIVE)
-    te, to = _load_pairs(q_ptr, base + 2 * UNIT, X_KIND, PAIRS, NATIVE)
+    he, ho = load_pairs(q_ptr, base, X_KIND, PAIRS, NATIVE)
+    te, to = load_pairs(q_ptr, base + 2 * UNIT, X_KIND, PAIRS, NATIVE)
     # tail interleaved RoPE: pair i of block u + 2 is rope pair 16u + i, freqs (cos, sin) at 2(16u + i)
-    c, s = _load_f32_pairs(f_ptr, (p * s_f)[None, :] + u * 32)
+    c, s = load_f32_pairs(f_ptr, (p * s_f)[None, :] + u * 32)
     te, to = rope_pair(te, to, c, s)
     te = round_to(te, X_KIND, NATIVE)
     to = round_to(to, X_KIND, NATIVE)
@@ -516,9 +515,9 @@ def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w
         # the general two stages (NaN/Inf, a scale at the edges of the range or a tiny block in the program),
         # a block of every row at a time, reloaded
         for k in range(4):
-            xe, xo = _load_pairs(q_ptr, (t * sq_t + h * sq_h)[None, :] + k * UNIT, X_KIND, PAIRS, NATIVE)
+            xe, xo = load_pairs(q_ptr, (t * sq_t + h * sq_h)[None, :] + k * UNIT, X_KIND, PAIRS, NATIVE)
             if k >= 2:
-                ck, sk = _load_f32_pairs(f_ptr, (p * s_f)[None, :] + (k - 2) * 32)
+                ck, sk = load_f32_pairs(f_ptr, (p * s_f)[None, :] + (k - 2) * 32)
                 xe, xo = rope_pair(xe, xo, ck, sk)
                 xe = round_to(xe, X_KIND, NATIVE)
                 xo = round_to(xo, X_KIND, NATIVE)
@@ -764,6 +763,11 @@ def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, c
     _run(prepare_k_store, k, norm_weight, eps, positions, freqs, slots, cache, compress_ratio, rounding, page_size)
 
 
+def offsets_fit_i32(*bounds) -> bool:
+    """Whether every offset a kernel forms (each below one of `bounds`, in elements or bytes) fits in int32."""
+    return max(bounds) < 2 ** 31
+
+
 def pair_view(t: torch.Tensor):
     """A bf16 tensor whose last dim is contiguous as int32 words (two elements each), or None where its strides or
     offset are odd."""
@@ -787,7 +791,10 @@ def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, pa
             wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, as_u8(exps_out),
             weights_out, T, errors.flag_tensor(q.device)]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=code_of(Rounding, rounding), BLOCK=block, NATIVE=nat,
-                  PAIRS=q32 is not None, H=H, ROWS32=n * block < 2 ** 31)
+                  PAIRS=q32 is not None, H=H,
+                  I32=offsets_fit_i32(n * block * 64, (T - 1) * qv.stride(0) + (H - 1) * qv.stride(1) + 128,
+                                      (T - 1) * positions.stride(0), freqs.numel(),
+                                      (T - 1) * head_weights.stride(0) + (H - 1) * head_weights.stride(1)))
     return _q_pack_v41_kernel, (n,), args, consts, warps
 
 
