@@ -174,6 +174,10 @@ V4_VARIANTS = {  # name -> (prepare function name, args); "-soft": the DSAQUANT_
     "compress_state-fp32-C512": ("compress_state", lambda: _compress_state(ratio=128, D=512, dtype=torch.float32)),
     "rope_rotate-fp4-shuffled-bf16": ("rope_rotate", lambda: _rope_rotate(T=8, H=64)),
     "rope_rotate-fp4-shuffled-bf16-soft": ("rope_rotate", lambda: _rope_rotate(T=8, H=64)),
+    "rope_rotate-fp4-shuffled-H16-fp32-rne-nohadamard": ("rope_rotate", lambda: _rope_rotate(
+        T=4, H=16, dtype=torch.float32, cs_dtype=torch.float32, rounding="rne", hadamard=False)),
+    "rope_rotate-fp4-dense-g32-fp16-threshold": ("rope_rotate", lambda: _rope_rotate(
+        T=4, H=8, dtype=torch.float16, group_size=32, shuffle_scale=False, rounding="threshold")),
     "rope_rotate-fp4-dense-g16-D1024-fp16-threshold": ("rope_rotate", lambda: _rope_rotate(
         T=4, H=4, D=1024, dtype=torch.float16, group_size=16, shuffle_scale=False, rounding="threshold")),
     "rope_rotate-fp8-e4m3fn-D512": ("rope_rotate", lambda: _rope_rotate(T=4, H=8, D=512, out="e4m3fn")),
@@ -195,11 +199,11 @@ def target_modes(target):
 
 
 # Variants whose launch takes the packed bf16x2 FP4 encoder on NVIDIA (formats.e2m1_code_bf16x2): the FP4
-# indexer on bf16 q/k, and the §7.2 key writer and query packer (bf16 stage-2 values for every input dtype).
-# Not: the fp16 FP4 indexer, the FP8 indexer, rope_fake_quant_fp4 (no codes) and the §7.3 writer (fp32 values).
+# indexer on bf16 q/k and the §7.2 key writer (bf16 stage-2 values for every input dtype). Not: the fp16 FP4
+# indexer, the FP8 indexer, the §7.2 query packer (its closed-form two stages, formats.two_stage_scales, need no
+# encoder), rope_fake_quant_fp4 (no codes) and the §7.3 writer (fp32 values).
 PACKED_FP4_VARIANTS = {"indexer-fp4-hardware-neox", "indexer-fp4-threshold", "k_store-rne-r1",
-                       "k_store-threshold-r4-fp16", "k_store-hardware-r2", "q_pack-rne", "q_pack-threshold-fp16",
-                       "q_pack-hardware"}
+                       "k_store-threshold-r4-fp16", "k_store-hardware-r2"}
 PACKED_FP4_PTX = ("fma.rn.bf16x2", "min.bf16x2", "max.bf16x2")
 
 

@@ -185,6 +185,13 @@ def _rr_cases():
     add("fp16-D256-inplace", out="half", H=4, D=256, dtype="float16", inplace=True)
     add("bf16-D512-strided-out", out="half", H=4, D=512, strided_out=True, cs="float32")
     add("bf16-D128-strided-x-int32pos", out="half", H=8, strided_x=True, pos="int32")
+    # D = 128 FP4 in groups of 32 (the whole-row kernel): dense scales, every policy, dtypes without the int32
+    # word view (fp16, fp32), several programs with and without special rows (general and fast encoders)
+    add("fp4-dense-g32-D128-thr-fp16", H=16, T=5, shuffle=False, group=32, rounding="threshold", dtype="float16")
+    add("fp4-dense-g32-D128-rne-f32x", H=32, T=4, shuffle=False, group=32, rounding="rne", dtype="float32",
+        cs="float32")
+    add("special-fp4-dense-g32-D128-rne", H=32, T=6, shuffle=False, group=32, rounding="rne", special=True)
+    add("special-fp4-shuffled-H32-nohad", H=32, T=6, hadamard=False, special=True, cs="float16", dtype="float16")
     add("fp4-shuffled-positions-out-of-range", T=5, bad_pos=True)
     add("fp8-positions-out-of-range-strided-x", out="e4m3fn", H=4, T=5, bad_pos=True, strided_x=True)
     add("special-fp4-shuffled", T=6, special=True)

@@ -413,6 +413,16 @@ def e2m1_grid_value(a):
 
 
 @triton.jit
+def e2m1_grid_round(c):
+    """c (fp32 in [0, 6], not NaN) rounded half-to-even onto the E2M1 grid, as a value: (c + M) - M with
+    M = 2^(E+22), E the exponent of max(c, 1). The sum lies in [M, 2M), where the fp32 quantum is 2^(E-1),
+    E2M1's spacing at c (0.5 below 2, 1 in [2, 4), 2 in [4, 6]); the addition rounds half to even at that
+    quantum (M is an even multiple of it) and the subtraction is exact. Equals e2m1_grid_value."""
+    m = from_bits((as_bits(tl.maximum(c, 1.0)) & 0x7F800000) + (22 << 23))
+    return (c + m) - m
+
+
+@triton.jit
 def pack_nibbles_tile(codes, R: tl.constexpr):
     """[R, 32] codes (int32, low 4 bits) -> [R, 16] bytes (uint8): element 2i low nibble, 2i+1 high."""
     lo, hi = tl.split(tl.reshape(codes, (R, 16, 2)))
@@ -600,6 +610,152 @@ def fake_quant_e4m3_tile(x, R: tl.constexpr, NATIVE: tl.constexpr):
     f = tl.where(f > 448.0, 448.0, f)
     s = tl.broadcast_to(e4m3_rne_value(f)[:, :, None], (R, 2, 16))
     return tl.reshape(fake_quant_values(tl.math.div_rn(xb, s), s), (R, 32))
+
+
+# E2M1 codes without the per-element scaling (the fast paths of §7.2 and §7.7): a block's values v are put on the
+# grid scaled by the block's power of two s = 2^(e-127) directly, and the code is read off float bits.
+SIGN_NONZERO: tl.constexpr = tl.constexpr(0)    # sign bit only where the index is not 0 (rne, threshold)
+SIGN_BIT: tl.constexpr = tl.constexpr(1)        # the sign bit of v, also for -0 and values rounding to 0 (hardware)
+SIGN_NEGATIVE: tl.constexpr = tl.constexpr(2)   # v < 0 (the sign bit of v + 0: -0 counts as +0)
+
+
+@triton.jit
+def pow2_any(k):
+    """The exact fp32 2^k for integers k in [-149, 127] (subnormal below -126), built from bits."""
+    return from_bits(tl.where(k >= -126, (k + 127) << 23, 1 << (tl.maximum(k, -149) + 149)))
+
+
+@triton.jit
+def e2m1_grid_round_scaled(v, s):
+    """v rounded half to even onto the E2M1 grid scaled by s (a power of two, normal), keeping v's sign, for
+    |v| < 7 * s (not NaN): (v + M) - M with M = ±2^(E+22), E the exponent of max(|v|, s) and the sign of v.
+    |v + M| lies in [2^(E+22), 2^(E+23)), whose quantum 2^(E-1) is the grid's spacing at |v| (0.5 s below 2 s,
+    s in [2 s, 4 s), 2 s from 4 s on; (6 s, 7 s) rounds to 6 s); M is an even multiple of it, so the sum rounds
+    half to even and the difference is exact. A v that rounds to 0 gives +0 (x - x = +0). Equals s times the
+    reference's rne(v / s) for every such v (the sum and the grid are exact power-of-two scalings of the s = 1
+    case, all in the normal range: M >= 2^-104)."""
+    mx = tl.maximum(tl.abs(v), s)
+    m = from_bits(((as_bits(mx) & 0x7F800000) + (22 << 23)) | (as_bits(v) & -2147483648))
+    return (v + m) - m
+
+
+@triton.jit
+def e2m1_index_float(v, s, P, SIGN: tl.constexpr):
+    """The E2M1 code of v / s (s a power of two, normal; v not NaN, |v| < 7 s), rounded half to even, as a float
+    f = ±rne(|v| / s) * 2^(j-126) computed as the exact product (grid value * s) * P, P = 2^(j-126) / s (j = 0:
+    the code of v / s; j = 1..3: of v / s * 2^j, exact on the grid where the §7.2 closed form uses it). Its
+    bits are sign << 31 | index << 22: the index of a grid value g * 2^j <= 6 is the bits 22..24 of
+    g * 2^(j-126) (0.5 -> 2^-127, subnormal), so `(bits(f) >> 22) & 0xF` (arithmetic shift) is the 4-bit code.
+    Signs by SIGN: SIGN_NONZERO rounds the signed value (a result 0 is +0); SIGN_BIT and SIGN_NEGATIVE round
+    |v| and put the sign of v (of v + 0) on every result, also on 0."""
+    if SIGN == SIGN_NONZERO:
+        return e2m1_grid_round_scaled(v, s) * P
+    else:
+        mx = tl.maximum(tl.abs(v), s)
+        m = from_bits((as_bits(mx) & 0x7F800000) + (22 << 23))
+        if SIGN == SIGN_BIT:
+            sv = as_bits(v)
+        else:
+            sv = as_bits(v + 0.0)
+        return ((tl.abs(v) + m) - m) * from_bits(as_bits(P) | (sv & -2147483648))
+
+
+@triton.jit
+def e2m1_index_float_any(x, e, POLICY: tl.constexpr):
+    """fp4_encode_tile's code of every x with block exponent e (int32 1..255, broadcast against x), as an index
+    float of e2m1_index_float (the pair packer takes both): v = x * 2^(127-e) as the reference divides, then
+    rne(|v|) by the magic-number rounding on the unscaled grid (|v| < 7 by rule recip), ties toward zero under
+    threshold (a sum that went up by exactly half the quantum steps back). Signs as the reference: hardware the
+    sign bit of x, rne and threshold x < 0 with a nonzero index; a NaN x gives 0x7, e = 255 gives 0x7 (hardware:
+    x's sign | 0x7, a NaN x 0x7). Elementwise, for the general paths of the fast kernels."""
+    a = tl.abs(x * pow2_inv(e))
+    m = from_bits((as_bits(tl.maximum(a, 1.0)) & 0x7F800000) + (22 << 23))
+    d = (a + m) - m
+    if POLICY == ROUND_THRESHOLD:
+        d = tl.where(d - a == m * (2.0 ** -24), d - m * (2.0 ** -23), d)
+    fb = as_bits(d * (2.0 ** -126))
+    if POLICY == ROUND_HARDWARE:
+        sg = as_bits(x) & -2147483648
+        fill = sg | 0x01C00000
+    else:
+        sg = as_bits(x) & -2147483648 & -fb                    # -fb has bit 31 set exactly where fb != 0
+        fill = tl.full(fb.shape, 0x01C00000, tl.int32)
+    fb = tl.where(e == 255, fill, fb | sg)
+    return from_bits(tl.where(x != x, 0x01C00000, fb))
+
+
+@triton.jit
+def amax_pairs(xe, xo, NATIVE: tl.constexpr):
+    """SPEC §0.3 block amax (NaN ignored, all NaN: 0) of blocks given as even/odd elements [..., 16] -> [...]."""
+    a = tl.maximum(tl.abs(xe), tl.abs(xo))
+    if NATIVE:
+        return tl.maximum(tl.max(a, axis=len(a.shape) - 1), 0.0)
+    else:
+        b = tl.abs(xe)
+        c = tl.abs(xo)
+        a = tl.maximum(tl.where(b != b, 0.0, b), tl.where(c != c, 0.0, c))
+        return tl.max(a, axis=len(a.shape) - 1)
+
+
+@triton.jit
+def pack_index_pairs(fe, fo):
+    """Index floats (e2m1_index_float: sign at bit 31, index at bits 22..24, the other bits 0) of elements 2i
+    (fe) and 2i+1 (fo), any equal shapes -> bytes (uint8), 2i's code in the low nibble, 2i+1's in the high one.
+    t = (fe >> 22) + (fo >> 18) (logical shifts) holds the indices at bits 0..2 and 4..6 and the signs at
+    bits 9 and 13; moving t's signs down by 6 completes the byte."""
+    t = (as_bits(fe) >> 22 & 0x3FF) + (as_bits(fo) >> 18 & 0x3FFF)
+    return (t | ((t >> 6) & 0xFE)).to(tl.uint8)         # t >> 6: the signs at bits 3 and 7, bit 0 is t's bit 6
+
+
+@triton.jit
+def max_nan(a, b):
+    """max that propagates NaN (a reduction with it gives NaN for a block holding one)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def two_stage_scales(xe, xo):
+    """SPEC §7.2 stage 1 (recip fake-quant, bf16) then stage 2 (rule pack) of blocks of 32 given as their even
+    and odd elements xe, xo [..., 16] (fp32 holding values of the input dtype), in closed form, the block part:
+    (s1, P, stage-2 exponents int32, ok), each [...]; two_stage_codes gives the codes. Exact where ok: no NaN
+    in the block and a stage-1 exponent e1 in [114, 143], or a block whose stage 1 is all zero; elsewhere the
+    results are unspecified and the caller takes the general path. (e1 <= 143: no nonzero bf16 or fp16 x has
+    an x / 2^(e1-127) that underflows to zero, bf16's smallest 2^-133 / 2^16 being 2^-149, so y < 0 is x < 0.)
+
+    Stage 1 rounds y = x / 2^(e1-127) onto the E2M1 grid (g = rne(|y|); |y| < 6.0000002 for e1 by rule recip,
+    so the clamp to 6 changes nothing) and stores ±g * s1, s1 = 2^(e1-127), with the sign of y (a negative y
+    rounding to 0 gives -0, x = -0 gives +0): exact in bf16. Its block amax is G = gm * s1, gm = rne of the
+    block's largest |y|, so stage 2's exponent is e2 = max(e1 - k, 114), k = 0, 1, 2, 3 for gm in {4, 6},
+    {2, 3}, {1, 1.5}, {0.5} (ceil_exp(gm / 6) = 2^-k; 114 = ceil_exp(1e-4), the floor). The stage-2 values
+    g * 2^j, j = e1 - e2 in [0, k], lie on the grid: no rounding, the same magnitude under every policy, index
+    from the bits of g * 2^(j-126) = (stage-1 value) * P, P = 2^(j+1-e1)."""
+    amax = tl.reduce(tl.maximum(tl.abs(xe), tl.abs(xo), propagate_nan=tl.PropagateNan.ALL), len(xe.shape) - 1,
+                     max_nan)
+    e1 = ue8m0_recip(amax)
+    ok = (amax == amax) & (e1 <= 143)
+    e1 = tl.where(ok, e1, 127)                               # keeps the scales below in range
+    s1 = pow2(e1)
+    g = e2m1_grid_round_scaled(amax, s1)                     # G = gm * s1
+    zero = g == 0.0
+    k = e1 + 2 - ((as_bits(g) >> 23) & 0xFF)
+    j = tl.minimum(k, e1 - 114)
+    ok = ok & ((j >= 0) | zero)
+    j = tl.where(zero | (j < 0), 0, j)
+    return s1, pow2_any(j + 1 - e1), tl.where(zero, 114, e1 - j), ok
+
+
+@triton.jit
+def two_stage_codes(xe, xo, s1, P, POLICY: tl.constexpr):
+    """The payload bytes [..., 16] of blocks with two_stage_scales' s1 and P (where ok): the stage-1 value's code
+    on the grid scaled by s1, times 2^j. Signs: hardware the sign bit of the stage-1 value (y < 0), rne and
+    threshold only where the index is not 0."""
+    LAST: tl.constexpr = len(xe.shape) - 1
+    si = tl.expand_dims(s1, LAST)
+    pp = tl.expand_dims(P, LAST)
+    if POLICY == ROUND_HARDWARE:
+        return pack_index_pairs(e2m1_index_float(xe, si, pp, SIGN_NEGATIVE), e2m1_index_float(xo, si, pp, SIGN_NEGATIVE))
+    else:
+        return pack_index_pairs(e2m1_index_float(xe, si, pp, SIGN_NONZERO), e2m1_index_float(xo, si, pp, SIGN_NONZERO))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ LAUNCH = {
     "indexer_q": (32, 4),
     "indexer_k": (16, 4),
     "k_store": (16, 4),
-    "q_pack": (32, 4),
+    "q_pack": (16, 1),
     "fake_quant": (32, 4),
     "v4_k": (16, 4),
 }
@@ -437,33 +437,102 @@ def _k_store_v41_kernel(k_ptr, sk_t, nw_ptr, s_nw, eps, pos_ptr, s_pos, f_ptr, s
 # §7.2 index_q_rope_pack_weights
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
+def row_split(pid, T, R: tl.constexpr, H: tl.constexpr, I32: tl.constexpr):
+    """Rows [pid*R, pid*R + R) of the T*H (token, head) rows: (r, t, h [R], r in range [R]), t and h those of row
+    min(r, T*H - 1), so that loads by (t, h) need no mask. H is a constexpr: the split is a multiply and a shift.
+    I32 (the launch's offsets all below 2^31): int32 indices, otherwise int64."""
+    if I32:
+        r = pid * R + tl.arange(0, R)
+        c = tl.minimum(r, T * H - 1)
+    else:
+        r = pid.to(tl.int64) * R + tl.arange(0, R)
+        c = tl.minimum(r, T.to(tl.int64) * H - 1)
+    t = c // H
+    return r, t, c - t * H, r < T * H
+
+
+@triton.jit
+def load_pairs(ptr, off, KIND: tl.constexpr, PAIRS: tl.constexpr, NATIVE: tl.constexpr):
+    """Blocks of 32 elements starting at `off` (offsets [A, B] in units of ptr's elements, all valid): (even, odd)
+    fp32 [A, B, 16], elements 2i and 2i+1. Each lane loads its block whole, 16 bytes a load. PAIRS: a bf16
+    tensor passed as int32 words (two elements each, the even one in the low half): one shift or mask per
+    element."""
+    A: tl.constexpr = off.shape[0]
+    B: tl.constexpr = off.shape[1]
+    if PAIRS:
+        w = tl.arange(0, 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        v = tl.reshape(tl.load(ptr + (off[:, :, None, None] + w)), (A, B, 16))
+        return F.from_bits(v << 16), F.from_bits(v & -65536)
+    else:
+        CH: tl.constexpr = 4 if KIND == KIND_F32 else 8
+        e = tl.arange(0, 32 // CH)[None, None, :, None] * CH + tl.arange(0, CH)[None, None, None, :]
+        v = load_f32(ptr, off[:, :, None, None] + e, e >= 0, KIND, NATIVE)
+        return tl.split(tl.reshape(v, (A, B, 16, 2)))
+
+
+@triton.jit
+def load_f32_pairs(ptr, off):
+    """fp32 pairs (2i, 2i+1), i < 16, at offsets off [A, B] (elements, all valid): two [A, B, 16] tensors, 16
+    bytes a load."""
+    A: tl.constexpr = off.shape[0]
+    B: tl.constexpr = off.shape[1]
+    e = tl.arange(0, 8)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+    return tl.split(tl.reshape(tl.load(ptr + (off[:, :, None, None] + e)), (A, B, 16, 2)))
+
+
+@triton.jit
 def _q_pack_v41_kernel(q_ptr, sq_t, sq_h, pos_ptr, s_pos, f_ptr, s_f, max_pos, w_ptr, sw_t, sw_h, wscale,
-                       pay_ptr, exp_ptr, wo_ptr, T, H, err_ptr,
+                       pay_ptr, exp_ptr, wo_ptr, T, err_ptr,
                        X_KIND: tl.constexpr, W_KIND: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
-                       NATIVE: tl.constexpr, PACKED_FP4: tl.constexpr):
+                       NATIVE: tl.constexpr, PAIRS: tl.constexpr, H: tl.constexpr, I32: tl.constexpr):
+    """SPEC §7.2 index_q_rope_pack_weights for rows [pid*BLOCK, pid*BLOCK + BLOCK) of the T*H rows. Lane (u, row)
+    holds blocks u (head) and u + 2 (tail) of a row, as even/odd element pairs: the RoPE pairs, the payload
+    bytes' nibble pairs, and every block reduction without crossing lanes. The two stages in closed form
+    (formats.two_stage_fast); a program holding any block outside its range (NaN/Inf, tiny or huge scales)
+    takes the general path for all of its rows."""
     R: tl.constexpr = BLOCK
-    r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    act = r < T * H
-    t = r // H
-    h = r % H
+    UNIT: tl.constexpr = 16 if PAIRS else 32          # a block of 32 elements in units of q_ptr's elements
+    r, t, h, act = row_split(tl.program_id(0), T, R, H, I32)
     p, bad_pos = _rope_positions(pos_ptr, s_pos, t, act, max_pos, 1)
-    _flag_errors(err_ptr, bad_pos & False, bad_pos)
-    x0, x1, x2, x3 = _load_tiles(q_ptr, t * sq_t + h * sq_h, act, X_KIND, NATIVE)
-    x2, x3 = _rope_tail_freqs(x2, x3, f_ptr, s_f, p, act, R)
-    x2 = round_to(x2, X_KIND, NATIVE)
-    x3 = round_to(x3, X_KIND, NATIVE)
-    q0, e0 = _sglang_two_stage(x0, POLICY, R, NATIVE, PACKED_FP4)
-    q1, e1 = _sglang_two_stage(x1, POLICY, R, NATIVE, PACKED_FP4)
-    q2, e2 = _sglang_two_stage(x2, POLICY, R, NATIVE, PACKED_FP4)
-    q3, e3 = _sglang_two_stage(x3, POLICY, R, NATIVE, PACKED_FP4)
-    _store_bytes16(pay_ptr, r * 64, q0, act)
-    _store_bytes16(pay_ptr, r * 64 + 16, q1, act)
-    _store_bytes16(pay_ptr, r * 64 + 32, q2, act)
-    _store_bytes16(pay_ptr, r * 64 + 48, q3, act)
-    tl.store(exp_ptr + r, e0 | (e1 << 8) | (e2 << 16) | (e3 << 24), mask=act)
+    code = tl.max(bad_pos.to(tl.int32), axis=0) * POS_ERR
+    tl.atomic_or(err_ptr, code, mask=code != 0)
     # weights_out = float(bf16(fl(float(w) * weight_scale))), canonical NaN (software rounding)
-    w = load_f32(w_ptr, t * sw_t + h * sw_h, act, W_KIND, NATIVE)
+    w = load_f32(w_ptr, t * sw_t + h * sw_h, act | True, W_KIND, NATIVE)
     tl.store(wo_ptr + r, round_bf16(w * wscale, False), mask=act)
+    u = tl.arange(0, 2)[:, None]                                   # [2, 1]: block u and u + 2
+    m2 = act[None, :] & (u >= 0)                                   # [2, R]
+    base = (t * sq_t + h * sq_h)[None, :] + u * UNIT
+    he, ho = load_pairs(q_ptr, base, X_KIND, PAIRS, NATIVE)
+    te, to = load_pairs(q_ptr, base + 2 * UNIT, X_KIND, PAIRS, NATIVE)
+    # tail interleaved RoPE: pair i of block u + 2 is rope pair 16u + i, freqs (cos, sin) at 2(16u + i)
+    c, s = load_f32_pairs(f_ptr, (p * s_f)[None, :] + u * 32)
+    te, to = rope_pair(te, to, c, s)
+    te = round_to(te, X_KIND, NATIVE)
+    to = round_to(to, X_KIND, NATIVE)
+    sh, ph, eh, okh = F.two_stage_scales(he, ho)
+    st, pt, et, okt = F.two_stage_scales(te, to)
+    if tl.min((okh & okt | ~m2).to(tl.int32)) == 0:
+        # the general two stages (NaN/Inf, a scale at the edges of the range or a tiny block in the program),
+        # a block of every row at a time, reloaded
+        for k in range(4):
+            xe, xo = load_pairs(q_ptr, (t * sq_t + h * sq_h)[None, :] + k * UNIT, X_KIND, PAIRS, NATIVE)
+            if k >= 2:
+                ck, sk = load_f32_pairs(f_ptr, (p * s_f)[None, :] + (k - 2) * 32)
+                xe, xo = rope_pair(xe, xo, ck, sk)
+                xe = round_to(xe, X_KIND, NATIVE)
+                xo = round_to(xo, X_KIND, NATIVE)
+            q, e = _sglang_two_stage(tl.reshape(tl.join(xe, xo), (R, 32)), POLICY, R, NATIVE, False)
+            _store_bytes16(pay_ptr, r * 64 + k * 16, q, act)
+            tl.store(exp_ptr + (r * 4 + k), e.to(tl.uint8), mask=act)
+    else:
+        qh = F.two_stage_codes(he, ho, sh, ph, POLICY)
+        qt = F.two_stage_codes(te, to, st, pt, POLICY)
+        pb = (r * 64)[None, :, None] + u[:, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        tl.store(pay_ptr + pb, qh, mask=m2[:, :, None])
+        tl.store(pay_ptr + (pb + 32), qt, mask=m2[:, :, None])
+        eb = (r * 4)[None, :] + u                                  # exponent of block j in byte j
+        tl.store(exp_ptr + eb, eh.to(tl.uint8), mask=m2)
+        tl.store(exp_ptr + (eb + 2), et.to(tl.uint8), mask=m2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -694,20 +763,39 @@ def index_k_norm_rope_pack_store(k, norm_weight, eps, positions, freqs, slots, c
     _run(prepare_k_store, k, norm_weight, eps, positions, freqs, slots, cache, compress_ratio, rounding, page_size)
 
 
+def offsets_fit_i32(*bounds) -> bool:
+    """Whether every offset a kernel forms (each below one of `bounds`, in elements or bytes) fits in int32."""
+    return max(bounds) < 2 ** 31
+
+
+def pair_view(t: torch.Tensor):
+    """A bf16 tensor whose last dim is contiguous as int32 words (two elements each), or None where its strides or
+    offset are odd."""
+    if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.storage_offset() % 2 or \
+            any(st % 2 for st in t.stride()[:-1]) or t.shape[-1] % 2:
+        return None
+    return t.view(torch.int32)
+
+
 def prepare_q_pack(q, positions, freqs, head_weights, weight_scale, rounding, payload_out, exps_out, weights_out,
                    modes=None):
     T, H, _ = q.shape
     md = launch_modes(q.device, None, modes)
     nat = md["NATIVE"]
     block, warps = LAUNCH["q_pack"]
-    qv, x_kind = tensor_kind(q, nat)
+    q32 = pair_view(q)
+    qv, x_kind = tensor_kind(q, nat) if q32 is None else (q32, KIND_BF16.value)
     wv, w_kind = tensor_kind(head_weights, nat)
-    args = [qv, q.stride(0), q.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
-            wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, exps_out,
-            weights_out, T, H, errors.flag_tensor(q.device)]
+    n = triton.cdiv(T * H, block)
+    args = [qv, qv.stride(0), qv.stride(1), positions, positions.stride(0), freqs, freqs.stride(0), freqs.shape[0],
+            wv, head_weights.stride(0), head_weights.stride(1), as_f32(weight_scale), payload_out, as_u8(exps_out),
+            weights_out, T, errors.flag_tensor(q.device)]
     consts = dict(X_KIND=x_kind, W_KIND=w_kind, POLICY=code_of(Rounding, rounding), BLOCK=block, NATIVE=nat,
-                  PACKED_FP4=md["PACKED_FP4"])
-    return _q_pack_v41_kernel, (triton.cdiv(T * H, block),), args, consts, warps
+                  PAIRS=q32 is not None, H=H,
+                  I32=offsets_fit_i32(n * block * 64, (T - 1) * qv.stride(0) + (H - 1) * qv.stride(1) + 128,
+                                      (T - 1) * positions.stride(0), freqs.numel(),
+                                      (T - 1) * head_weights.stride(0) + (H - 1) * head_weights.stride(1)))
+    return _q_pack_v41_kernel, (n,), args, consts, warps
 
 
 def index_q_rope_pack_weights(q, positions, freqs, head_weights, weight_scale, rounding, payload_out, exps_out,
