@@ -277,6 +277,172 @@ def test_ue8m0_recip_scales_bf16x2_every_amax(h, header_counts):
         check(header_counts, f"ue8m0 recip x2, NaN scale {'ab'[col - 2]}", got[:, col + 2], (e == 255).astype(np.int64))
 
 
+def test_ue8m0_pack_exponent_bf16_every_amax(h, header_counts):
+    """Rule pack on a bf16 amax's bits (e2m1x8.h, SPEC §7.2 stage 2 of bf16 stage-1 values): every amax 0..Inf."""
+    b = np.arange(0x7F81, dtype=np.uint32)
+    want = fp4.ue8m0_exponent(t32((b << 16).view(np.float32)), "pack")
+    check(header_counts, "ue8m0 pack, bf16 amax", h.ue8m0_pack_exponent_bf16(b.astype(np.uint16)), want.to(torch.int32))
+
+
+# ---- SPEC §7.2 for bf16 inputs (two_stage_x8.h: the CUDA q packer's) ----------------------------------
+def _bf16_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _largest_amax_per_e1(h) -> dict:
+    """e1 -> the largest bf16 amax (bits) whose rule-recip exponent is e1 (255: +Inf)."""
+    b = np.arange(0x7F81, dtype=np.uint32)
+    e1 = h.ue8m0_recip_exponent_bf16(b.astype(np.uint16))
+    return {int(e): int(b[e1 == e].max()) for e in np.unique(e1)}
+
+
+def test_fake_quant_bf16x2_every_value_every_exponent(h, header_counts):
+    """Stage 1 (two_stage_x8.h fake_quant_bf16x2) of every bf16 value x at every exponent e1 a block can have
+    with x in it (|x| <= its amax, or NaN; e1 = 255: every x), against the reference's stage 1 of a block
+    [31 values, the largest amax of that exponent] rounded to bf16: the value, its sign (a negative that
+    rounds to zero gives -0 unless its fp32 quotient is 0) and the canonical NaN, bit for bit."""
+    allb = np.arange(65536, dtype=np.uint32)
+    xf = _bf16_f32(allb)
+    rng = np.random.default_rng(SEED + 21)
+    for e1, amax in sorted(_largest_amax_per_e1(h).items()):
+        a = _bf16_f32(np.array([amax]))[0]
+        keep = np.isnan(xf) | (np.abs(xf) <= a)
+        xs = allb[keep][rng.permutation(int(keep.sum()))]
+        xs = np.concatenate([xs, np.zeros((-xs.size) % 62, dtype=np.uint32)])
+        got = h.fake_quant_bf16x2_grid(xs.astype(np.uint16), np.array([e1], dtype=np.int32))[0]
+        rows = xs.reshape(-1, 31)
+        blk = np.concatenate([_bf16_f32(rows), np.full((rows.shape[0], 1), a, dtype=np.float32)], axis=1)
+        want = fp4.fp4_fake_quant(t32(blk), 32, "ue8m0", out_dtype=torch.bfloat16).view(torch.int16).numpy()
+        check(header_counts, "fake_quant bf16x2, every x at every e1", got.view(np.int16), want[:, :31].reshape(-1))
+
+
+def test_two_stage_exponents_every_amax(h, header_counts):
+    """Both stages' exponents from a block's bf16 amax (two_stage_exponents_bf16): every amax 0..Inf, against the
+    reference two-stage quantizer on the block [amax, 0, ..., 0] (its stored exponent is e2)."""
+    b = np.arange(0x7F81, dtype=np.uint32)
+    got = h.two_stage_exponents_bf16(b.astype(np.uint16))
+    blk = np.zeros((b.size, 32), dtype=np.float32)
+    blk[:, 0] = _bf16_f32(b)
+    want_e1 = fp4.ue8m0_exponent(t32(blk[:, 0]), "recip").numpy()
+    _, want_e2 = fp4.sglang_two_stage(t32(blk), "rne")
+    check(header_counts, "two-stage e1, bf16 amax", got[:, 0], want_e1.astype(np.int32))
+    check(header_counts, "two-stage e2, bf16 amax", got[:, 1], want_e2[:, 0].numpy().astype(np.int32))
+
+
+def _sign_threshold(e1: int) -> float:
+    """The largest bf16 |x| whose fp32 quotient x / 2^(e1-127) is zero (0 if only 0 is)."""
+    pos = torch.from_numpy(_bf16_f32(np.arange(0x7F80, dtype=np.uint32)))
+    zero = (pos / arith.pow2(torch.tensor(e1))) == 0
+    return float(pos[zero].max())
+
+
+def test_two_stage_params_every_amax(h, header_counts):
+    """The fast path's block parameters (two_stage_params_bf16x2): every amax in the low half with a random
+    partner in the high half and the other way round. A block is fast exactly where e1 < 255 and
+    d = e1 - e2 is 0 or 1 (two_stage_exponents_bf16, checked above), except the blocks whose d rule pack's
+    floor turns from 1 into 0 (e1 = e2 = 114 with g_max = 3: amax fraction 0x41..0x5F), which the parameters
+    leave to the general path; on fast blocks the exponent, 2^(127-e1), the clamp (6, or 3 for d = 1),
+    2^(d-126) and the sign threshold are as two_stage_x8.h says."""
+    rng = np.random.default_rng(SEED + 22)
+    b = np.arange(0x7F81, dtype=np.uint32)
+    other = rng.integers(0, 0x7F81, b.size, dtype=np.uint32)
+    words = np.concatenate([b | (other << 16), other | (b << 16)])
+    got = h.two_stage_params_bf16x2(words)
+    thr_of = {}
+    n_fast = 0
+    for half in (0, 1):
+        hb = (words >> (16 * half)) & 0xFFFF
+        ex = h.two_stage_exponents_bf16(hb.astype(np.uint16)).astype(np.int64)
+        e1, e2 = ex[:, 0], ex[:, 1]
+        d = e1 - e2
+        frac = hb & 0x7F
+        floored = (e1 == 114) & (e2 == 114) & (frac >= 0x41) & (frac <= 0x5F)
+        assert int(floored.sum()) > 0
+        fast = (e1 < 255) & ((d == 0) | (d == 1)) & ~floored
+        n_fast += int(fast.sum())
+        check(header_counts, "two-stage params, fast", got[:, 10 + half], fast.astype(np.int64))
+        f = fast
+        both = lambda v: v | (v << 16)  # noqa: E731
+        check(header_counts, "two-stage params, e2", got[f, 8 + half], e2[f])
+        check(header_counts, "two-stage params, 2^(127-e1)", got[f, 0 + half], both((254 - e1[f]) << 7))
+        check(header_counts, "two-stage params, clamp", got[f, 2 + half], both(np.where(d[f] == 1, 0x4040, 0x40C0)))
+        check(header_counts, "two-stage params, 2^(d-126)", got[f, 4 + half], both(np.where(d[f] == 1, 0x0100, 0x0080)))
+        for e in np.unique(e1[f]):
+            if int(e) not in thr_of:
+                t = np.float32(_sign_threshold(int(e)))
+                thr_of[int(e)] = int(np.array([t]).view(np.uint32)[0] >> 16)
+        want_thr = np.array([thr_of[int(e)] for e in e1[f]], dtype=np.int64)
+        check(header_counts, "two-stage params, sign threshold", got[f, 6 + half], both(want_thr))
+    assert n_fast > 0.6 * words.size   # most normal amax are fast
+
+
+def test_two_stage8_fast_equals_general_every_value(h, header_counts):
+    """The fast stage 2 (two_stage8_bf16_fast) equals the general one (two_stage8_bf16: stage 1 above, then the
+    e2m1x8.h encoder checked on every value at every exponent) on every bf16 value that a fast block can
+    hold, for every parameter set a fast block can have (e1, d: the parameters depend on nothing else), every
+    policy. The values: |x| <= the largest amax of that set, or NaN."""
+    rng = np.random.default_rng(SEED + 23)
+    b = np.arange(0x7F81, dtype=np.uint32)
+    ex = h.two_stage_exponents_bf16(b.astype(np.uint16)).astype(np.int64)
+    fast = h.two_stage_params_bf16x2(b)[:, 10].astype(bool)
+    allb = np.arange(65536, dtype=np.uint32)
+    xf = _bf16_f32(allb)
+    classes = {}
+    for i in np.nonzero(fast)[0]:
+        classes[(int(ex[i, 0]), int(ex[i, 1]))] = int(b[i])   # b ascending: the largest amax of the class
+    assert len(classes) > 250
+    for (e1, e2), amax in sorted(classes.items()):
+        a = _bf16_f32(np.array([amax]))[0]
+        keep = np.isnan(xf) | (np.abs(xf) <= a)
+        xs = allb[keep][rng.permutation(int(keep.sum()))]
+        xs = np.concatenate([xs, np.zeros((-xs.size) % 8, dtype=np.uint32)]).astype(np.uint16)
+        got, want = h.two_stage8_fast_and_general(xs, amax)
+        check(header_counts, "two-stage fast vs general, every x", got, want)
+
+
+def _two_stage_rows(rng, rows: int) -> np.ndarray:
+    """bf16 rows [rows, 128] (bits) for the two-stage tests: the special rows above at every binade, and blocks
+    built around amax values at the fast path's edges (fraction 0x40 / 0x41 / 0x5F / 0x60, e1 - d near 114,
+    e1 = 253, Inf) with values down to the sign threshold, both signs, NaN and zeros."""
+    x = torch.from_numpy(_special_rows(rng, rows, 128)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    x = x.astype(np.uint32)
+    edge_frac = np.array([0x00, 0x01, 0x3F, 0x40, 0x41, 0x42, 0x5E, 0x5F, 0x60, 0x61, 0x7F], dtype=np.uint32)
+    edge_exp = np.concatenate([np.arange(110, 121), np.arange(140, 156), np.arange(245, 255), [1, 2, 3, 127, 128]])
+    nb = rows * 4 // 2                                  # half of the blocks
+    blocks = x.reshape(-1, 32)
+    idx = rng.choice(blocks.shape[0], nb, replace=False)
+    amax = (rng.choice(edge_exp, nb).astype(np.uint32) << 7) | rng.choice(edge_frac, nb)
+    amax = np.minimum(amax, 0x7F80)
+    af = _bf16_f32(amax).astype(np.float64)
+    scale = np.where(rng.random((nb, 32)) < 0.2, 2.0 ** -rng.integers(0, 160, (nb, 32)), rng.random((nb, 32)))
+    vals = np.where(np.isinf(af)[:, None], rng.standard_normal((nb, 32)), af[:, None] * scale)
+    vals *= np.where(rng.random((nb, 32)) < 0.5, -1.0, 1.0)
+    vals = torch.from_numpy(vals.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    vals = vals.astype(np.uint32)
+    vals[:, 0] = amax | np.where(rng.random(nb) < 0.5, 0x8000, 0)
+    sel = rng.random((nb, 32))
+    vals[sel < 0.02] = 0x7FC0
+    vals[(sel >= 0.02) & (sel < 0.04)] = 0x8000
+    vals[:, 0] = np.where(sel[:, 0] < 0.04, amax, vals[:, 0])   # the amax stays
+    blocks[idx] = vals
+    return blocks.reshape(rows, 128).astype(np.uint16)
+
+
+@pytest.mark.parametrize("policy", list(POLICY))
+def test_two_stage_rows_vs_reference(h, header_counts, policy):
+    """Whole rows through the q packer's steps for bf16 inputs (the harness's two_stage_rows_bf16: the lanes'
+    pairing, the block amax, the parameters, the fast path or the general one) against the reference two-stage
+    quantizer (SPEC §7.2), payload and exponents, bit for bit; both paths are exercised."""
+    rng = np.random.default_rng(SEED + 24)
+    bits = _two_stage_rows(rng, 40000)
+    payload, exps, n_fast = h.two_stage_rows_bf16(bits, POLICY[policy])
+    wp, we = fp4.sglang_two_stage(t32(_bf16_f32(bits)), policy)
+    nblocks = bits.shape[0] * 4
+    assert 0.3 * nblocks < n_fast < 0.95 * nblocks, n_fast
+    check(header_counts, f"two-stage rows exps {policy}", exps, we)
+    check(header_counts, f"two-stage rows payload {policy}", payload, wp)
+
+
 def test_fp8_132_rows_16_apart(h):
     """The scorer's copy loop steps 16 positions by kFp8132Rows16 bytes, plain and preshuffled."""
     for P in (16, 32, 64, 128):

@@ -197,7 +197,7 @@ def rows(dev):
 @needs_toolchain
 def test_every_tu_compiles_for_every_arch_without_warnings(dev):
     assert sorted(dev.asm) == sorted((a, t) for a in ARCHS for t in ("compress", "fp4_selfcheck", "indexer",
-                                                                     "kstore_qpack", "selfcheck", "topk"))
+                                                                     "kstore_qpack", "qpack", "selfcheck", "topk"))
     for s in dev.asm.values():
         assert s.stat().st_size > 0
     warnings = (dev.out / "warnings.txt").read_text()

@@ -1,5 +1,5 @@
-// kernels/cuda/kstore_qpack.cu: SPEC §7.2 (sglang-v41 k writer, q packer, rope + fake quant) and §7.3 (aiter's
-// DeepSeek-V4 k writer). One 16-lane group per 128-wide row (row16.cuh), 16 rows per 256-thread block.
+// kernels/cuda/kstore_qpack.cu: SPEC §7.2's k writer (sglang-v41) and §7.3 (aiter's DeepSeek-V4 k writer). One
+// 16-lane group per 128-wide row (row16.cuh), 16 rows per 256-thread block. (§7.2's q writers: qpack.cu.)
 #include "indexer.h"
 #include "row16.cuh"
 
@@ -67,77 +67,6 @@ __global__ void __launch_bounds__(256) kstore_kernel(KStoreArgs a) {
   }
 }
 
-struct QRowIn {
-  int64_t row, t, h, pos;
-  bool valid;
-  float w;
-  float v[kVals];
-};
-
-template <int IN_DT, int MODE>
-__device__ __forceinline__ void qpack_load(const QPackArgs& a, int lane, int64_t row, QRowIn& in) {
-  in.row = row;
-  in.valid = row < a.T * a.H;
-  if (!in.valid) return;
-  in.t = row / a.H;
-  in.h = row - in.t * a.H;
-  in.pos = load_i(a.positions, in.t, a.pos_dt);
-  load_row8<IN_DT>(static_cast<const uint16_t*>(a.q) + in.t * a.q_st + in.h * a.q_sh, lane, a.q_vec, in.v);
-  if (MODE == code(QPackMode::pack)) in.w = load_f(a.w, in.t * a.w_st + in.h * a.w_sh, a.w_dt);
-}
-
-template <int IN_DT, int MODE>
-__device__ __forceinline__ void qpack_row(const QPackArgs& a, unsigned mask, int lane, QRowIn& in) {
-  if (!in.valid) return;
-  const int64_t row = in.row;
-  float (&v)[kVals] = in.v;
-  if (lane == 0 && in.h == 0 && (in.pos < 0 || in.pos >= a.rope.max_pos)) atomicOr(a.err_flag, code(ErrFlag::position_out_of_range));   // SPEC §7.5
-  const int64_t pos = rope_position(in.pos, a.rope.max_pos, a.compress_ratio);
-  rope_row</*NEOX=*/false, /*TAIL=*/true, kPairs>(mask, lane, v, a.rope, pos);
-#pragma unroll
-  for (int e = 0; e < kVals; ++e) v[e] = round_to<IN_DT>(v[e]);
-  if constexpr (MODE == code(QPackMode::pack)) {
-    int e;
-    const uint32_t word = two_stage(mask, v, static_cast<Rounding>(a.rounding), e);
-    reinterpret_cast<uint32_t*>(a.payload + row * 64)[lane] = word;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int g = 0; g < 4; ++g) packed |= static_cast<uint32_t>(__shfl_sync(mask, e, 4 * g, kLanes) & 0xFF) << (8 * g);
-    if (lane == 0) {
-      a.exps[row] = static_cast<int32_t>(packed);
-      a.w_out[row] = round_to_bf16(fmul(in.w, a.weight_scale));
-    }
-  } else {
-  // rope_fake_quant_fp4: stage 1 alone, ue8m0 scales on blocks of 32 or e4m3 scales on blocks of 16.
-  const float amax = group_amax(mask, v, MODE == code(QPackMode::fake_ue8m0) ? 4 : 2);
-  const int e1 = ue8m0_exponent(amax, ScaleRule::recip);
-  const float s = MODE == code(QPackMode::fake_ue8m0) ? pow2(e1) : nvfp4_e4m3_scale(amax);
-  uint16_t hbits[kVals];
-#pragma unroll
-  for (int e = 0; e < kVals; ++e) hbits[e] = to_half_bits<IN_DT>(MODE == code(QPackMode::fake_ue8m0) ? fp4_fake_quant_value_e(canon(v[e]), e1) : fp4_fake_quant_value(canon(v[e]), s));
-  uint4 out;
-  out.x = hbits[0] | (static_cast<uint32_t>(hbits[1]) << 16);
-  out.y = hbits[2] | (static_cast<uint32_t>(hbits[3]) << 16);
-  out.z = hbits[4] | (static_cast<uint32_t>(hbits[5]) << 16);
-  out.w = hbits[6] | (static_cast<uint32_t>(hbits[7]) << 16);
-  reinterpret_cast<uint4*>(a.fq_out + row * 128)[lane] = out;
-  }
-}
-
-constexpr int kQRowsPerGroup = 1;   // as the indexer kernel
-
-template <int IN_DT, int MODE>
-__global__ void __launch_bounds__(256) qpack_kernel(QPackArgs a) {
-  const int lane = threadIdx.x & 15;
-  const unsigned mask = group_mask<kLanes>();
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * (16 * kQRowsPerGroup) + (threadIdx.x >> 4);
-  QRowIn in[kQRowsPerGroup];
-#pragma unroll
-  for (int i = 0; i < kQRowsPerGroup; ++i) qpack_load<IN_DT, MODE>(a, lane, base + 16 * i, in[i]);
-#pragma unroll
-  for (int i = 0; i < kQRowsPerGroup; ++i) qpack_row<IN_DT, MODE>(a, mask, lane, in[i]);
-}
-
 }  // namespace dsqk
 
 int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream) {
@@ -160,21 +89,5 @@ int dsq_kstore_launch(const KStoreArgs& a, cudaStream_t stream) {
       });
     });
   }
-  return static_cast<int>(cudaGetLastError());
-}
-
-int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream) {
-  const int64_t rows = a.T * a.H;
-  if (rows == 0) return 0;
-  using namespace dsqk;
-  const unsigned blocks = static_cast<unsigned>((rows + 16 * dsqk::kQRowsPerGroup - 1) / (16 * dsqk::kQRowsPerGroup));
-  with_half(a.in_dt, [&](auto in_dt) {
-    constexpr int D = decltype(in_dt)::value;
-    constexpr int kPack = code(QPackMode::pack), kUe8m0 = code(QPackMode::fake_ue8m0),
-                  kE4m3 = code(QPackMode::fake_e4m3);
-    if (a.mode == kPack) qpack_kernel<D, kPack><<<blocks, 256, 0, stream>>>(a);
-    else if (a.mode == kUe8m0) qpack_kernel<D, kUe8m0><<<blocks, 256, 0, stream>>>(a);
-    else qpack_kernel<D, kE4m3><<<blocks, 256, 0, stream>>>(a);
-  });
   return static_cast<int>(cudaGetLastError());
 }

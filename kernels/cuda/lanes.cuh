@@ -1,7 +1,7 @@
 // kernels/cuda/lanes.cuh: the cross-lane steps of a 128-wide row held by a group of LANES consecutive lanes
 // of a warp, written once for both group sizes of the writers:
-//   LANES = 16: row16.cuh (k store, q pack, rope fake quant: 8 values a lane);
-//   LANES = 8:  indexer.cu (16 values a lane: its "split8" layout).
+//   LANES = 16: row16.cuh (the k stores: 8 values a lane);
+//   LANES = 8:  qrows.cuh (the indexer and the v41 q writers: 16 values a lane, the "split8" layout).
 // A group starts at a lane that is a multiple of LANES. Every lane of the group must call these helpers
 // together, with s < LANES (they shuffle with width LANES, so no read leaves the group; platform_hip.h relies
 // on this on a wave64). What each lane holds, and so which partials or values it passes in, is the

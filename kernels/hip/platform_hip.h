@@ -14,7 +14,7 @@
 //       every width that is a power of two <= 64: a lane reads lane (lane ^ s) of its own aligned group of
 //       `width` lanes (ds_bpermute_b32).
 //   So the mask is dropped. That is correct because of the contract of kernels/cuda/lanes.cuh: every lane
-//   of a 16-lane group calls each shuffle together, with width 16 and s < 16 (the indexer's 8-lane groups:
+//   of a 16-lane group calls each shuffle together, with width 16 and s < 16 (qrows.cuh's 8-lane groups:
 //   width 8 and s < 8), so every lane read is an active lane of the caller's own group. Other groups of the same wave may have returned early (their
 //   exec bits are off): they are never read, because no shuffle of width 16 leaves its group.
 //   The default width is CUDA's warp size, 32 (not HIP's warpSize, 64), so a call without a width behaves

@@ -168,6 +168,128 @@ PYBIND11_MODULE(dsq_header_host, m) {
     }
     return out;
   });
+  m.def("ue8m0_pack_exponent_bf16", [](const arr<uint16_t>& b) {
+    return map1<int32_t>(b, [](uint16_t v) { return dsq::ue8m0_pack_exponent_bf16(v); });
+  });
+
+  // ---- SPEC §7.2 for bf16 inputs (two_stage_x8.h) ----
+  // Stage 1 of the pairs (x[2i], x[2i+1]) (bf16 bits) at every exponent es[k] -> bf16 bits [len(es), len(x)].
+  m.def("fake_quant_bf16x2_grid", [](const arr<uint16_t>& x, const arr<int32_t>& es) {
+    const py::ssize_t n = x.size(), ne = es.size();
+    need(n % 2 == 0, "even length");
+    auto out = shaped<uint16_t>({ne, n});
+    uint16_t* o = out.mutable_data();
+    for (py::ssize_t k = 0; k < ne; ++k) {
+      const dsq::FakeQuantBf16x2 c = dsq::fake_quant_consts_bf16x2(es.data()[k]);
+      for (py::ssize_t j = 0; j < n; j += 2) {
+        const uint32_t w = x.data()[j] | (static_cast<uint32_t>(x.data()[j + 1]) << 16);
+        const uint32_t v = dsq::fake_quant_bf16x2(w, dsq::bf16x2_abs(w), c);
+        o[k * n + j] = static_cast<uint16_t>(v & 0xFFFFu);
+        o[k * n + j + 1] = static_cast<uint16_t>(v >> 16);
+      }
+    }
+    return out;
+  });
+  // Exact exponents of a block from its amax bits -> [n, 2] int32 (e1, e2).
+  m.def("two_stage_exponents_bf16", [](const arr<uint16_t>& b) {
+    auto out = shaped<int32_t>({b.size(), 2});
+    for (py::ssize_t i = 0; i < b.size(); ++i) {
+      int e1, e2;
+      dsq::two_stage_exponents_bf16(b.data()[i], e1, e2);
+      out.mutable_data()[2 * i] = e1;
+      out.mutable_data()[2 * i + 1] = e2;
+    }
+    return out;
+  });
+  // The fast path's parameters of two blocks from their packed amax -> [n, 11] int64: inv, clamp, kr, thr
+  // (a then b), e2 of a, e2 of b, fast_a, fast_b... as listed in the Python test.
+  m.def("two_stage_params_bf16x2", [](const arr<uint32_t>& mw) {
+    auto out = shaped<int64_t>({mw.size(), 12});
+    for (py::ssize_t i = 0; i < mw.size(); ++i) {
+      const dsq::TwoStageBf16x2 p = dsq::two_stage_params_bf16x2(mw.data()[i]);
+      int64_t* o = out.mutable_data() + 12 * i;
+      const uint32_t v[12] = {p.inv_a, p.inv_b, p.clamp_a, p.clamp_b, p.kr_a, p.kr_b, p.thr_a, p.thr_b,
+                              p.e2 & 0xFFFFu, p.e2 >> 16, p.fast_a, p.fast_b};
+      for (int k = 0; k < 12; ++k) o[k] = v[k];
+    }
+    return out;
+  });
+  // Groups of 8 values (x bf16 bits, value j and j + 4 paired as the kernels pair them) of blocks whose amax
+  // has the bits b (the values are the caller's; |x| <= amax or NaN), every policy -> (fast bytes, general
+  // bytes), each [3, len(x) / 2]: two_stage8_bf16_fast with two_stage_params_bf16x2's block a, and
+  // two_stage8_bf16.
+  m.def("two_stage8_fast_and_general", [](const arr<uint16_t>& x, uint16_t b) {
+    const py::ssize_t n = x.size();
+    need(n % 8 == 0, "length a multiple of 8");
+    auto fast = shaped<uint8_t>({3, n / 2});
+    auto general = shaped<uint8_t>({3, n / 2});
+    const dsq::TwoStageBf16x2 p = dsq::two_stage_params_bf16x2(b);
+    for (int r = 0; r < 3; ++r)
+      for (py::ssize_t g = 0; g < n; g += 8) {
+        uint32_t w[4], aw[4];
+        for (int j = 0; j < 4; ++j) {
+          w[j] = x.data()[g + j] | (static_cast<uint32_t>(x.data()[g + j + 4]) << 16);
+          aw[j] = dsq::bf16x2_abs(w[j]);
+        }
+        int e2;
+        const uint32_t f = dsq::two_stage8_bf16_fast(w, aw, p.inv_a, p.clamp_a, p.kr_a, p.thr_a, rounding(r));
+        const uint32_t q = dsq::two_stage8_bf16(w, aw, b, rounding(r), e2);
+        for (int k = 0; k < 4; ++k) {
+          fast.mutable_data()[r * (n / 2) + g / 2 + k] = static_cast<uint8_t>(f >> (8 * k));
+          general.mutable_data()[r * (n / 2) + g / 2 + k] = static_cast<uint8_t>(q >> (8 * k));
+        }
+      }
+    return py::make_tuple(fast, general);
+  });
+  // Rows of 128 bf16 values through the CUDA q packer's steps (kernels/cuda/qpack.cu, bf16 inputs): lane l of
+  // 8 holds values 8l..8l+7 (block l/4) and 64+8l..64+8l+7 (block 2 + l/4), paired j with j + 4; a block's
+  // amax is the bf16x2 max of its 4 lanes' words (a NaN ignored, all-NaN: 0); blocks (0, 2) and (1, 3) get
+  // their parameters together; a fast block takes two_stage8_bf16_fast, any other two_stage8_bf16.
+  // -> (payload u8 [R, 64], exponents u8 [R, 4], fast blocks).
+  m.def("two_stage_rows_bf16", [](const arr<uint16_t>& x, int r) {
+    need(x.ndim() == 2 && x.shape(1) == 128, "x [R, 128] bf16 bits");
+    const auto rr = rounding(r);
+    const py::ssize_t R = x.shape(0);
+    auto payload = shaped<uint8_t>({R, 64});
+    auto exps = shaped<uint8_t>({R, 4});
+    int64_t n_fast = 0;
+    for (py::ssize_t i = 0; i < R; ++i) {
+      const uint16_t* row = x.data() + i * 128;
+      uint32_t w[8][2][4], aw[8][2][4];   // [lane][a / b][j]
+      for (int l = 0; l < 8; ++l)
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 4; ++j) {
+            const uint16_t* v = row + 64 * h + 8 * l;
+            w[l][h][j] = v[j] | (static_cast<uint32_t>(v[j + 4]) << 16);
+            aw[l][h][j] = dsq::bf16x2_abs(w[l][h][j]);
+          }
+      for (int lb = 0; lb < 2; ++lb) {   // lanes 4 lb .. 4 lb + 3: blocks lb (a) and 2 + lb (b)
+        uint32_t m2[2];
+        for (int h = 0; h < 2; ++h) {
+          uint32_t m = 0;
+          for (int l = 4 * lb; l < 4 * lb + 4; ++l)
+            for (int j = 0; j < 4; ++j) m = dsq::bf16x2_max_nn(m, aw[l][h][j]);
+          m = dsq::bf16x2_max_nn(m, m >> 16) & 0xFFFFu;   // both halves of the words
+          m2[h] = dsq::bf16x2_max_nn(m, 0u) & 0xFFFFu;
+        }
+        const dsq::TwoStageBf16x2 p = dsq::two_stage_params_bf16x2(m2[0] | (m2[1] << 16));
+        for (int h = 0; h < 2; ++h) {
+          const bool fast = h ? p.fast_b : p.fast_a;
+          int e2 = static_cast<int>(h ? p.e2 >> 16 : p.e2 & 0xFFFFu);
+          n_fast += fast;
+          for (int l = 4 * lb; l < 4 * lb + 4; ++l) {
+            const uint32_t bytes = fast ? dsq::two_stage8_bf16_fast(w[l][h], aw[l][h], h ? p.inv_b : p.inv_a,
+                                                                    h ? p.clamp_b : p.clamp_a, h ? p.kr_b : p.kr_a,
+                                                                    h ? p.thr_b : p.thr_a, rr)
+                                        : dsq::two_stage8_bf16(w[l][h], aw[l][h], m2[h], rr, e2);
+            for (int k = 0; k < 4; ++k) payload.mutable_data()[i * 64 + 32 * h + 4 * l + k] = static_cast<uint8_t>(bytes >> (8 * k));
+          }
+          exps.mutable_data()[i * 4 + 2 * h + lb] = static_cast<uint8_t>(e2);
+        }
+      }
+    }
+    return py::make_tuple(payload, exps, n_fast);
+  });
   m.def("pack_nibbles", [](const arr<uint8_t>& c) {
     need(c.ndim() == 2 && c.shape(1) % 2 == 0, "codes [R, even]");
     auto out = shaped<uint8_t>({c.shape(0), c.shape(1) / 2});

@@ -43,6 +43,28 @@ extern "C" __global__ void fp4_bf16x8_kernel(const uint32_t* x, const int* e, ui
   out[3 * b + 2] = e2m1_encode8_bf16<Rounding::hardware>(w, aw, e[b]) ^ bf16x2_max_nn(w[0], w[1]) ^ byte_perm(w[2], w[3], 0x5410u);
 }
 
+// SPEC §7.2 for bf16 inputs (two_stage_x8.h): block parameters, the fast and the general two-stage encoders,
+// stage 1 alone; 8 values of each of two blocks per thread, the policy a runtime argument.
+extern "C" __global__ void two_stage_bf16x8_kernel(const uint32_t* x, int r, uint32_t* out) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t w[4], aw[4];
+  for (int j = 0; j < 4; ++j) {
+    w[j] = x[4 * b + j];
+    aw[j] = bf16x2_abs(w[j]);
+  }
+  const uint32_t m = bf16x2_min_nan(bf16x2_max_nn(aw[0], aw[1]), 0x7F807F80u);
+  const TwoStageBf16x2 p = two_stage_params_bf16x2(m);
+  const Rounding rr = static_cast<Rounding>(r);
+  int e2, e1, e2b;
+  two_stage_exponents_bf16(m >> 16, e1, e2b);
+  out[4 * b] = p.fast_a ? two_stage8_bf16_fast(w, aw, p.inv_a, p.clamp_a, p.kr_a, p.thr_a, rr)
+                        : two_stage8_bf16(w, aw, m & 0xFFFFu, rr, e2);
+  out[4 * b + 1] = p.e2 + static_cast<uint32_t>(e1 + e2b + ue8m0_pack_exponent_bf16(m >> 16)) + p.fast_b;
+  const FakeQuantBf16x2 k = fake_quant_consts_bf16x2(e1);
+  out[4 * b + 2] = fake_quant_bf16x2(w[2], aw[2], k) ^ fake_quant_threshold_bf16x2(p.thr_b) ^ p.inv_b ^ p.kr_b;
+  out[4 * b + 3] = e2m1_join8(e2m1_mags8_bf16(aw), e2m1_signs8_bf16(w), rr) ^ p.clamp_b;
+}
+
 // SPEC §0, §1-§4 scalar helpers.
 extern "C" __global__ void scalar_kernel(const float* x, float* f, uint32_t* u, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;

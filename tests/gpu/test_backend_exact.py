@@ -161,6 +161,69 @@ def test_q_pack(backend, T, H):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,H,dtype,aligned,policy", [(2048, 5, torch.bfloat16, True, "hardware"),
+                                                      (2100, 64, torch.bfloat16, False, "threshold"),
+                                                      (2048, 64, torch.float16, True, "rne"),
+                                                      (2050, 33, torch.bfloat16, True, "rne"),
+                                                      (1100, 64, torch.float16, False, "hardware")])
+def test_q_pack_whole_token_heads(backend, T, H, dtype, aligned, policy):
+    """Large T (a warp per token from T * ceil(H/32) = 2048; the CUDA kernel's cp.async row ring): head counts
+    that leave part of a warp's last 4 heads empty (those groups compute on a clamped row and store nothing),
+    fp16 q (the scalar two stages), q rows that are not 16-byte aligned (the one-value-at-a-time loader)."""
+    a = tt.make_q_pack(T=T, H=H, device=DEV, seed=T + H, scale=SCALES[H % 4], rounding=policy, dtype=dtype)
+    a["q"] = inject_specials(a["q"])
+    if not aligned:   # row starts 2 bytes past a 16-byte boundary
+        wide = torch.empty(T, H, 130, dtype=a["q"].dtype, device=DEV)
+        wide[..., 1:129] = a["q"]
+        a["q"] = wide[..., 1:129]
+    run_pair(dq.index_q_rope_pack_weights, a, (), backend, "index_q_rope_pack_weights whole-token heads",
+             f"T{T} H{H} {dtype} aligned={aligned} {policy}", returns=True)
+
+
+def _every_bf16_rows(T: int, H: int) -> torch.Tensor:
+    """q [T, H, 128] bf16 whose first rows are tt.every_bf16_blocks (every finite bf16 value at five relative
+    scales, NaN and Inf blocks) and the rest randn."""
+    blocks = tt.every_bf16_blocks(seed=7)
+    rows = torch.randn(T * H * 4, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert blocks.shape[0] <= rows.shape[0]
+    rows[:blocks.shape[0]] = blocks
+    return rows.reshape(T, H, 128).to(DEV)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("T", (24, 1024))
+def test_q_pack_every_bf16_value(backend, policy, T):
+    """The two stages (SPEC §7.2) on tt.every_bf16_blocks in the q rows, at position 0 (cos 1, sin 0: the RoPE
+    half keeps its values, so both halves quantize every value), in both of the CUDA kernel's modes (T = 24: a
+    block per token's 32 heads; T = 1024: a warp per token, through the row ring): its bf16x2 two stages
+    (two_stage_x8.h), the fast path and the general one, on the GPU."""
+    H = 64
+    a = tt.make_q_pack(T=T, H=H, device=DEV, seed=13, rounding=policy)
+    a["q"] = _every_bf16_rows(T, H)
+    a["positions"].zero_()
+    run_pair(dq.index_q_rope_pack_weights, a, (), backend, "index_q_rope_pack_weights every bf16", f"T{T} {policy}",
+             returns=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ((32, "ue8m0"), (16, "e4m3")))
+@pytest.mark.parametrize("T", (24, 1024))
+def test_rope_fake_quant_every_bf16_value(backend, variant, T):
+    """Stage 1 alone (rope_fake_quant_fp4) on the rows above, at position 0, in both kernel modes: the bf16x2
+    stage 1 (two_stage_x8.h fake_quant_bf16x2) for UE8M0 scales, the scalar one for e4m3 scales; bf16 and fp16."""
+    block, scale = variant
+    H = 64
+    a = tt.make_q_pack(T=T, H=H, device=DEV, seed=17)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _every_bf16_rows(T, H).to(dtype)
+        args = dict(x=x, positions=torch.zeros_like(a["positions"]), freqs=a["freqs"], block=block, scale=scale,
+                    compress_ratio=1)
+        run_pair(dq.rope_fake_quant_fp4, args, (), backend, "rope_fake_quant_fp4 every bf16",
+                 f"T{T} {variant} {dtype}", returns=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T", (1, 5, 64, 300))
 @pytest.mark.parametrize("variant", ((32, "ue8m0", 1), (16, "e4m3", 1), (32, "ue8m0", 4)))
 def test_rope_fake_quant(backend, T, variant):

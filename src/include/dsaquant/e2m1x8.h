@@ -90,6 +90,23 @@ DSQ_HD uint32_t bf16x2_minmax_nn(uint32_t a, uint32_t b) {
 DSQ_HD uint32_t bf16x2_min_nn(uint32_t a, uint32_t b) { return bf16x2_minmax_nn<false>(a, b); }
 DSQ_HD uint32_t bf16x2_max_nn(uint32_t a, uint32_t b) { return bf16x2_minmax_nn<true>(a, b); }
 
+// Per half: the smaller value, or a NaN where either operand is NaN (payload unspecified: CUDA's
+// min.NaN gives 0x7FFF, the emulation 0x7FC0). Only ever compared with a non-negative operand here, so
+// the order of +0 and -0 never matters.
+DSQ_HD uint32_t bf16x2_min_nan(uint32_t a, uint32_t b) {
+#if defined(DSQ_BF16X2_NATIVE)
+  uint32_t d;
+  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  const auto one = [](uint32_t x, uint32_t y) -> uint32_t {
+    const float fx = bf16_to_f32(x & 0xFFFFu), fy = bf16_to_f32(y & 0xFFFFu);
+    return is_nan(fx) || is_nan(fy) ? 0x7FC0u : f2u(fmin_nn(fx, fy)) >> 16;
+  };
+  return one(a, b) | (one(a >> 16, b >> 16) << 16);
+#endif
+}
+
 // Byte permute (CUDA __byte_perm): byte i of the result is byte sel_i of the pair (b:a), sel_i the
 // i-th nibble of s (0..7).
 DSQ_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
@@ -118,6 +135,16 @@ DSQ_HD uint32_t bf16x2_inv_pow2(int e) {
 DSQ_HD int ue8m0_recip_exponent_bf16(uint32_t b) {
   const int e = static_cast<int>((b + 63u) >> 7) - 2;
   return b == 0x7F80u ? 255 : (b > 0x7F80u || e < 1 ? 1 : e);
+}
+
+// SPEC §3 rule `pack` for a bf16 amax, on its bits b (0 .. 0x7F80): equal to ue8m0_exponent(bf16_to_f32(b),
+// pack). amax / 6 splits as rule recip's amax * fl(1/6) does above (m / 1.5 with 7 fraction bits is never
+// within an fp32 rounding of a power of two), so ceil_exp(amax / 6) = ((b + 63) >> 7) - 2 for a normal amax;
+// the floor 1e-4f (ceil_exp = 114) covers every smaller amax, subnormals included; Inf gives 255, clamped to
+// 254. tests/test_header_host.py checks all 2^15 + 1 values.
+DSQ_HD int ue8m0_pack_exponent_bf16(uint32_t b) {
+  const int e = static_cast<int>((b + 63u) >> 7) - 2;
+  return b >= 0x7F80u ? 254 : (e < 114 ? 114 : e);
 }
 
 // The same for two blocks at once, with their encoder multipliers: m = amax_a | amax_b << 16 (bf16
@@ -155,6 +182,25 @@ DSQ_HD uint32_t bf16x2_abs(uint32_t x) {
 #endif
 }
 
+// The last steps of the encoder below, shared with the SPEC §7.2 two-stage encoder (two_stage_x8.h).
+// Magnitudes: z[j] holds m of value j at bits 6..8 and of value j + 4 at bits 22..24 (every other bit
+// clear); the nibbles of values 0..7 in order (the fields do not overlap: + is |, and the multiplies can go
+// to the FMA pipe on CUDA).
+DSQ_HD uint32_t e2m1_mags8_bf16(const uint32_t (&z)[4]) {
+  const uint32_t lo = z[0] + z[1] * 16u, hi = z[2] + z[3] * 16u;
+  return (lo >> 6) + hi * 4u;
+}
+// Signs: xc[j] holds the signs of values j and j + 4 at bits 15 and 31; bytes 1 and 3 of each word hold
+// them at bit 7; gather values (0, 2, 4, 6) and (1, 3, 5, 7) into bit 3 of each nibble.
+DSQ_HD uint32_t e2m1_signs8_bf16(const uint32_t (&xc)[4]) {
+  return ((byte_perm(xc[0], xc[2], 0x7351u) >> 4) & 0x08080808u) | (byte_perm(xc[1], xc[3], 0x7351u) & 0x80808080u);
+}
+// The codes (SPEC §2): hardware keeps every sign; threshold and rne keep it where m != 0 (bit 3 of a
+// nibble m + 7 is set iff m != 0).
+DSQ_HD uint32_t e2m1_join8(uint32_t mag, uint32_t sg, Rounding r) {
+  return r == Rounding::hardware ? mag | sg : mag | (sg & (mag + 0x77777777u));
+}
+
 // SPEC §2 + §3, policy R: eight bf16 values of one block, given as x[j] = (value j, value j + 4) and
 // ax[j] = bf16x2_abs(x[j]), with the block's multiplier s = 2^(127-e) in both halves (bf16x2_inv_pow2,
 // ue8m0_recip_scales_bf16x2) -> four packed bytes (value 2i in the low nibble of byte i, SPEC §1). NaN
@@ -174,17 +220,8 @@ DSQ_HD uint32_t e2m1_encode8_bf16_s(const uint32_t (&x)[4], const uint32_t (&ax)
     z[j] = bf16x2_fma(r, k2m126, bf16x2_fma(mx, kMinus2m120, kNegZero));       // (R - M) * 2^-126: m << 6
     xc[j] = bf16x2_min_nn(x[j], kInf);                                         // a NaN -> +Inf (positive)
   }
-  // Magnitudes: z[j] holds m of value j at bits 6..8 and of value j + 4 at bits 22..24 (the fields do
-  // not overlap: + is |, and the multiplies can go to the FMA pipe on CUDA).
-  const uint32_t lo = z[0] + z[1] * 16u, hi = z[2] + z[3] * 16u;
-  const uint32_t mag = (lo >> 6) + hi * 4u;
-  // Signs: bytes 1 and 3 of each word hold them at bit 7; gather values (0, 2, 4, 6) and (1, 3, 5, 7).
-  const uint32_t sg = ((byte_perm(xc[0], xc[2], 0x7351u) >> 4) & 0x08080808u) | (byte_perm(xc[1], xc[3], 0x7351u) & 0x80808080u);
-  uint32_t out;
-  if (R == Rounding::hardware)
-    out = mag | sg;
-  else
-    out = mag | (sg & (mag + 0x77777777u));   // bit 3 of a nibble m + 7 is set iff m != 0
+  const uint32_t mag = e2m1_mags8_bf16(z), sg = e2m1_signs8_bf16(xc);
+  const uint32_t out = e2m1_join8(mag, sg, R);
   const uint32_t nan_out = R == Rounding::hardware ? (0x77777777u | sg) : 0x77777777u;
   return nan_scale ? nan_out : out;
 }
