@@ -3,7 +3,8 @@ rope_rotate_quant) with nvcc and the project's flags (tools/build_native.py nvcc
 math), for sm_90a and sm_100a; nothing runs:
 - the PTX holds no fused multiply-add on f32 (SPEC §0.1; the header's own check is tests/test_header_builds.py);
 - ptxas reports every kernel with no spill and no stack frame (the compress kernels keep up to ~250 registers for
-  the large windows, K = 128 / 256, by design: see kernels/cuda/compress.cu).
+  the large windows, K = 128 / 256, by design: see kernels/cuda/compress.cu; rope_rotate_quant's large-call instances
+  hold a row of 128 fp32 values a thread within 168 registers).
 The HIP side of the same sources is checked by tests/test_hip_build.py.
 """
 from __future__ import annotations
@@ -22,8 +23,13 @@ import build_native as bn  # noqa: E402
 NVCC = bn.find_nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin)")
 TU = REPO / "kernels" / "cuda" / "compress.cu"
+# rope_rotate_quant (kernels/cuda/rotate_body.cuh): per D, the small-call instance (16 values a lane, 32 for D = 1024;
+# the output mode chosen at run time: -1) and the large-call instances (128 values a lane for D = 128, 64 for wider
+# rows), one per output mode but FP8 e4m3fnuz (0-2 FP4 threshold / rne / hardware, 3 FP8 e4m3fn, 5 bf16/fp16).
+ROTATE_INSTANCES = {128: (16, 128), 256: (16, 64), 512: (16, 64), 1024: (32, 64)}
 KERNELS = {f"compress_kv_kernel<{k}, {d}>" for k in (4, 8, 128, 256) for d in (128, 512)} | \
-          {f"rope_rotate_kernel<{d}>" for d in (128, 256, 512, 1024)}
+          {f"rope_rotate_kernel<{d}, {s}, -1>" for d, (s, _) in ROTATE_INSTANCES.items()} | \
+          {f"rope_rotate_kernel<{d}, {v}, {m}>" for d, (_, v) in ROTATE_INSTANCES.items() for m in (0, 1, 2, 3, 5)}
 
 
 def _flags() -> list[str]:

@@ -30,8 +30,8 @@ from dsaquant.backends.compiled import make_ops
 from dsaquant.reference import compress as rc
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [REPO / "tests/cpp/compress_host.cpp", REPO / "kernels/cuda/compress_body.cuh", REPO / "kernels/cuda/compress_args.h",
-           *sorted((REPO / "src/include/dsaquant").glob("*.h"))]
+SOURCES = [REPO / "tests/cpp/compress_host.cpp", REPO / "kernels/cuda/compress_body.cuh", REPO / "kernels/cuda/rotate_body.cuh",
+           REPO / "kernels/cuda/compress_args.h", *sorted((REPO / "src/include/dsaquant").glob("*.h"))]
 CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -68,6 +68,8 @@ class Emulator:
         c.dsq_emu_warp_op.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         c.dsq_emu_set_block_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
         c.dsq_emu_set_block_order.restype = None
+        c.dsq_emu_set_rotate_v.argtypes = [ctypes.c_int]
+        c.dsq_emu_set_rotate_v.restype = None
 
     def _check(self, err: int):
         if err:
@@ -88,6 +90,10 @@ class Emulator:
 
     def set_block_order(self, order: int, seed: int = 0):
         self.lib.cdll.dsq_emu_set_block_order(order, seed)
+
+    def set_rotate_v(self, v: int):
+        """rope_rotate_quant's values a lane (0: the launcher's choice by call size)."""
+        self.lib.cdll.dsq_emu_set_rotate_v(v)
 
 
 @pytest.fixture(scope="module")
@@ -358,50 +364,131 @@ if hasattr(torch, "float4_e2m1fn_x2"):                 # torch >= 2.8
     ROTATE["fp4x2_threshold_g64"] = (F16, torch.float4_e2m1fn_x2, False, 64, "threshold")
 
 
-def rotate_case(kind, D, had, H=16, T=3, seed=0, max_pos=64):
-    xdt, odt, shuffle, group, rounding = ROTATE[kind]
+def rotate_case(kind, D, had, H=16, T=3, seed=0, max_pos=64, group=False, misaligned=False, pos_dtype=torch.int64,
+                cs_dtype=None):
+    """(outputs, positional args of the reference signature) of ROTATE[kind], built afresh from `seed`. group: a
+    group size instead of the kind's; misaligned: x, out and (half) out's rows off 16-byte boundaries (the kernels'
+    scalar loads and byte stores); cs_dtype: the RoPE tables' dtype (default: x's, fp32 for fp32 x)."""
+    xdt, odt, shuffle, group_, rounding = ROTATE[kind]
+    group_ = group if group is not False else group_
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, D + 8, generator=g) * 2.0
-    x[..., 8:8 + 128] = tt.special_rows(x[..., 8:8 + 128].reshape(T * H, 128)).reshape(T, H, 128)
-    x = x.to(xdt)[..., 8:]                      # strided rows, last dim contiguous
-    cos, sin, _ = tt.rope_tables(max_pos, "cpu", F32 if xdt == F32 else xdt)
-    pos = torch.tensor([5, max_pos + 2, -3][:T] + [7] * max(0, T - 3), dtype=torch.int64)
-    g_ = group if group is not None else D
+    pad = 9 if misaligned else 8            # x's rows start `pad` elements into wider rows
+    x = torch.randn(T, H, D + pad, generator=g) * 2.0
+    x[..., pad:pad + 128] = tt.special_rows(x[..., pad:pad + 128].reshape(T * H, 128)).reshape(T, H, 128)
+    x = x.to(xdt)[..., pad:]                # strided rows, last dim contiguous
+    cos, sin, _ = tt.rope_tables(max_pos, "cpu", cs_dtype or (F32 if xdt == F32 else xdt))
+    pos = torch.tensor([5, max_pos + 2, -3][:T] + [(7 * t) % max_pos for t in range(3, T)], dtype=pos_dtype)
+    g_ = group_ if group_ is not None else D
     out_scale = None
+
+    def dense(shape, dtype):                # a poisoned tensor, one byte off alignment when misaligned
+        if not misaligned:
+            return tt.poisoned(shape, dtype, "cpu")
+        n = 1
+        for d in shape:
+            n *= d
+        es = torch.empty(0, dtype=dtype).element_size()
+        return tt.poisoned((n * es + 1,), torch.uint8, "cpu")[1:].view(dtype).view(shape)
+
     if odt == "alias":
         out, g_ = x, 0
     elif odt == "strided":
         out, g_ = tt.poisoned((T, H, D, 2), xdt, "cpu")[..., 0], 0
     elif odt in (F16, BF16):
-        out, g_ = tt.poisoned((T, H, D), odt, "cpu"), 0
+        out = tt.poisoned((T, H, D + 1), odt, "cpu")[..., 1:] if misaligned else tt.poisoned((T, H, D), odt, "cpu")
+        g_ = 0
     elif odt in rc.FP8_OUT_DTYPES:
-        out = tt.poisoned((T, H, D), odt, "cpu")
+        out = dense((T, H, D), odt)
         out_scale = tt.poisoned((T, H, D // g_), F32, "cpu")
     else:
-        out = tt.poisoned((T, H, D // 2), torch.uint8, "cpu").view(odt)
+        out = dense((T, H, D // 2), torch.uint8).view(odt)
         out_scale = (tt.poisoned((T, D // 128, 4, 16, (H // 16 + 3) // 4 * 4), torch.uint8, "cpu") if shuffle
                      else tt.poisoned((T, H, D // g_), torch.uint8, "cpu"))
     args = (out, x, cos, sin, pos, 64, out_scale, g_, shuffle, had, rounding)
     return (out, out_scale, x), args
 
 
-@pytest.mark.parametrize("had", [True, False])
-@pytest.mark.parametrize("D", [128, 256, 512, 1024])
-@pytest.mark.parametrize("kind", list(ROTATE))
-def test_rope_rotate_quant(ops, emu, kind, D, had):
-    H = 32 if kind == "fp4_shuffled_hw" and D == 256 else 16
-    emu.set_block_order(1 if had else 0)
+def _rotate_values(D: int):
+    """The values a lane the emulator runs rope_rotate_quant with, for D: every instance the kernels have
+    (16 .. 128, at most 32 lanes a row)."""
+    return [v for v in (16, 32, 64, 128) if D // v <= 32]
+
+
+ROTATE_DV = [(D, v) for D in (128, 256, 512, 1024) for v in _rotate_values(D)]
+
+
+def _run_rotate(ops, emu, kind, D, had, v, order=0, **kw):
+    emu.set_rotate_v(v)
+    emu.set_block_order(order, 5)
     _take_flag()
-    outs_e, args_e = rotate_case(kind, D, had, H=H)
-    ops["rope_rotate_quant"](*args_e)
+    try:
+        outs_e, args_e = rotate_case(kind, D, had, **kw)
+        ops["rope_rotate_quant"](*args_e)
+    finally:
+        emu.set_rotate_v(0)
     flag_e = _take_flag()
-    outs_r, args_r = rotate_case(kind, D, had, H=H)
+    outs_r, args_r = rotate_case(kind, D, had, **kw)
     rc.rope_rotate_quant(*args_r)
     flag_r = _take_flag()
     for name, e, r in zip(("out", "out_scale", "x"), outs_e, outs_r):
         if r is not None:
-            _same(f"{kind} D={D} had={had} {name}", e, r)
-    assert flag_e == flag_r == errors.POSITION_OUT_OF_RANGE
+            _same(f"{kind} D={D} V={v} had={had} {kw} {name}", e, r)
+    assert flag_e == flag_r == errors.POSITION_OUT_OF_RANGE, (flag_e, flag_r)
+
+
+@pytest.mark.parametrize("had", [True, False])
+@pytest.mark.parametrize("D,v", ROTATE_DV)
+@pytest.mark.parametrize("kind", list(ROTATE))
+def test_rope_rotate_quant(ops, emu, kind, D, v, had):
+    """Every output kind at every D and every values-a-lane instance (lanes a row: D/v, Hadamard exchanges between
+    lanes: log2(D/v)), the Hadamard on and off."""
+    H = 32 if kind == "fp4_shuffled_hw" and D == 256 else 16
+    _run_rotate(ops, emu, kind, D, had, v, order=1 if had else 0, H=H)
+
+
+# The kernels' other paths: rows off 16-byte boundaries (scalar loads, byte stores); few heads (the RoPE table read
+# per row: more tokens in a block than the shared table holds) and many (a token's rows over several blocks, pad-free
+# shuffled scales); several blocks in any order; every chunk size of the group amax and groups spanning lanes and
+# both runs of a lane; int32 positions; fp32 / fp16 RoPE tables; fp16 and fp32 inputs.
+ROTATE_PATHS = {
+    "misaligned_fp4": dict(kind="fp4_shuffled_hw", misaligned=True),
+    "misaligned_fp8": dict(kind="fp8_fn_g128", misaligned=True),
+    "misaligned_half": dict(kind="fp16", misaligned=True),
+    "misaligned_f32_fp4": dict(kind="fp4_dense_gD_f32", misaligned=True, group=32),
+    "h1_direct_rope": dict(kind="fp4_dense_rne_g16", H=1, T=40),
+    "h4_direct_rope": dict(kind="fp8_fnuz_g16", H=4, T=33),
+    "h8_fp4": dict(kind="fp4_dense_rne_g16", H=8, T=20, group=64, pos_dtype=torch.int32),
+    "h64_shuffled": dict(kind="fp4_shuffled_hw", H=64, T=5, cs_dtype=F32),
+    "h32_blocks_shuffled": dict(kind="fp4_shuffled_hw", H=32, T=12, order=2, cs_dtype=F16),
+    "h16_many_blocks": dict(kind="bf16_inplace", H=16, T=40, order=1),
+    "fp4_g32_dense": dict(kind="fp4_dense_rne_g16", group=32),
+    "fp4_g64": dict(kind="fp4x2_threshold_g64" if "fp4x2_threshold_g64" in ROTATE else "fp4_dense_rne_g16", group=64),
+    "fp4_g128_256": dict(kind="fp4_dense_gD_f32", group=128, D=256),
+    "fp4_g256_f32": dict(kind="fp4_dense_gD_f32", group=256, D=256),
+    "fp8_g32": dict(kind="fp8_fnuz_g16", group=32),
+    "fp8_g64_f32": dict(kind="fp8_fn_gD_f32", group=64),
+    "fp8_gD_512": dict(kind="fp8_fn_g128", group=None, D=512),
+    "fp4_g512_1024": dict(kind="fp4_dense_gD_f32", group=512, D=1024),
+    "half_strided_h2": dict(kind="bf16_strided_out", H=2, T=9),
+}
+
+
+@pytest.mark.parametrize("had", [True, False])
+@pytest.mark.parametrize("name", list(ROTATE_PATHS))
+def test_rope_rotate_quant_paths(ops, emu, name, had):
+    """Each of ROTATE_PATHS at every values-a-lane instance of its D (default 128)."""
+    case = dict(ROTATE_PATHS[name])
+    kind, D, order = case.pop("kind"), case.pop("D", 128), case.pop("order", 0)
+    for v in _rotate_values(D):
+        _run_rotate(ops, emu, kind, D, had, v, order=order, **case)
+
+
+def test_rope_rotate_quant_launch_choice(ops, emu):
+    """The launcher's own choice of values a lane (rot::rotate_values_per_lane) on a call large enough for the
+    large instance (DSQ_ROTATE_LARGE_UNITS = 32768 rows of 128 at D = 128), and on a small one."""
+    for kind in ("fp4_shuffled_hw", "fp8_fnuz_g16"):
+        _run_rotate(ops, emu, kind, 128, True, 0, H=64, T=512, max_pos=600)
+        _run_rotate(ops, emu, kind, 128, True, 0, H=16, T=3)
 
 
 # ------------------------------------------------------------------------------------------------

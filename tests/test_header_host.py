@@ -229,6 +229,61 @@ def test_e2m1_encode8_bf16_every_value_every_exponent(h, header_counts, policy):
         check(header_counts, f"e2m1 packed bf16 x all e, {policy}", got[i:i + 32], fp4.pack_nibbles(codes))
 
 
+def _e2m1_codes8(x: np.ndarray, e: torch.Tensor, policy: str) -> torch.Tensor:
+    """Reference bytes of blocks x [n, 8] at exponents e [n] (canonical NaN; e = 255: the NaN-scale rule)."""
+    tx = arith.canon_nan(t32(x))
+    codes = fp4.e2m1_encode(tx / arith.pow2(e).unsqueeze(-1), policy)
+    sign = (tx.view(torch.int32) < 0).to(torch.uint8)
+    fill = (sign << 3) | 7 if policy == "hardware" else torch.full_like(sign, 7)
+    codes = torch.where((e == 255).unsqueeze(-1), fill, codes)
+    return fp4.pack_nibbles(codes).reshape(-1)
+
+
+_E2M1_GRID = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1, 1.5, 2, 3, 4, 6, 0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("policy", list(POLICY))
+def test_e2m1_encode8_f32_every_exponent(h, header_counts, policy):
+    """The fp32 eight-value encoder (e2m1x8.h e2m1_encode8_f32: round to odd bf16, then the bf16 encoder; the
+    CUDA rope_rotate_quant's) against the reference codes of x / 2^(e-127) with canonical NaN, at every exponent
+    e in 1..255 (16.7M codes): random fp32 patterns (most with dropped low bits set) and the E2M1 midpoints and
+    grid values times 2^k, with their fp32 neighbours, across the exponent range."""
+    rng = np.random.default_rng(SEED + 12)
+    near = around(np.concatenate([_E2M1_GRID * np.float32(2.0 ** k) for k in range(-149, 128, 4)]), 2)
+    pool = np.concatenate([near[np.isfinite(near)], rng.integers(0, 2**32, 20_000, dtype=np.uint64)
+                           .astype(np.uint32).view(np.float32), np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0],
+                                                                         dtype=np.float32)])
+    pool = pool[rng.permutation(pool.size)]
+    x = np.resize(pool, 65536).reshape(-1, 8)
+    for e0 in range(1, 256, 32):
+        es = torch.arange(e0, min(e0 + 32, 256), dtype=torch.int32)
+        e = es.repeat_interleave(x.shape[0])
+        xx = np.tile(x, (es.numel(), 1))
+        got = h.e2m1_encode8_f32(xx.reshape(-1), e.numpy(), POLICY[policy])
+        check(header_counts, f"e2m1 fp32 x8 all e, {policy}", got, _e2m1_codes8(xx, e, policy))
+
+
+@pytest.mark.parametrize("policy", list(POLICY))
+def test_e2m1_encode8_f32_block_exponents(h, header_counts, policy):
+    """The same at the exponent quantizers use: each block's rule-recip exponent of its own amax (and a few larger
+    ones, and 255), on every bf16 pattern, an fp32 sweep, and blocks holding 6 * 2^k next to the E2M1 midpoints and
+    grid values times 2^k (and their fp32 neighbours), so that the scaled values hit the ties exactly."""
+    rng = np.random.default_rng(SEED + 13)
+    tie_blocks = []
+    for k in range(-149, 126, 3):
+        vals = around(_E2M1_GRID * np.float32(2.0 ** k), 2)
+        vals = np.resize(vals[np.isfinite(vals)], (vals.size + 6) // 7 * 7).reshape(-1, 7)
+        tie_blocks.append(np.concatenate([np.full((vals.shape[0], 1), np.float32(6.0 * 2.0 ** k)), vals], axis=1))
+    pool = np.concatenate([all_bf16_as_f32(), fp32_sweep(rng, stride=8191)])
+    pool = pool[rng.permutation(pool.size)]
+    x = np.concatenate([np.resize(pool, pool.size // 8 * 8).reshape(-1, 8), *tie_blocks]).astype(np.float32)
+    e0 = fp4.ue8m0_exponent(arith.nan_amax(arith.canon_nan(t32(x)), -1), "recip").to(torch.int32)
+    for extra in (0, 1, 7, None):
+        e = torch.full_like(e0, 255) if extra is None else torch.clamp(e0 + extra, max=254).where(e0 < 255, e0)
+        got = h.e2m1_encode8_f32(x.reshape(-1), e.numpy(), POLICY[policy])
+        check(header_counts, f"e2m1 fp32 x8 block e+{extra}, {policy}", got, _e2m1_codes8(x, e, policy))
+
+
 def test_div128_equals_division(h, header_counts):
     """rope.h div128 (the k rows' LayerNorm S / 128 as a multiply) against torch's correctly rounded x / 128,
     bit for bit: every float32 exponent (subnormal results and zeros included) with random fractions and

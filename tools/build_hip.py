@@ -542,8 +542,11 @@ def kernel_label(demangled: str) -> str:
     if name == "compress_kv_kernel":
         k, d = args
         return f"compress_kv K={k} D={d}"
-    if name == "rope_rotate_kernel":
-        return f"rope_rotate D={args[0]}"
+    if name == "rope_rotate_kernel":   # <D, V, MODE>: kernels/cuda/rotate_body.cuh's output modes, -1 chosen at run time
+        d, v, mode = args
+        kind = {"-1": "any", "0": "fp4-threshold", "1": "fp4-rne", "2": "fp4-hardware", "3": "fp8-e4m3fn",
+                "4": "fp8-e4m3fnuz", "5": "half"}[mode]
+        return f"rope_rotate {kind} D={d} V={v}"
     return f"{name}<{', '.join(args)}>"
 
 
@@ -551,18 +554,20 @@ def encodes_fp4_pairs(label: str) -> bool:
     """Kernels that call dsq::e2m1_encode_pair (the gfx950 `hardware` instruction path). compress_kv stores FP4 only
     for D = 128 (SPEC §7.6)."""
     # the indexer takes its policy as a template argument: only its `hardware` kernels hold the instruction
-    return (label.startswith(("indexer fp4-hardware", "kstore", "qpack pack", "fp4_hw_selfcheck", "rope_rotate"))
+    return (label.startswith(("indexer fp4-hardware", "kstore", "qpack pack", "fp4_hw_selfcheck", "rope_rotate any",
+                              "rope_rotate fp4-hardware"))
             or (label.startswith("compress_kv") and label.endswith("D=128")))
 
 
 def min_fp4_cvt(label: str) -> int:
     """Fewest V_CVT_SCALEF32_PK_FP4_F32 a gfx950 kernel that encodes FP4 pairs must hold: fp4_quant8 encodes 4
-    pairs per lane (unrolled); the self-check calls the pair encoder twice (raw, canonical NaN); the V4 kernels
-    (kernels/cuda/compress_body.cuh) hold 32*V values a warp lane, V/2 pairs: compress_kv V = 4, rope_rotate V = D/32."""
+    pairs per lane (unrolled); the self-check calls the pair encoder twice (raw, canonical NaN); compress_kv
+    (kernels/cuda/compress_body.cuh) holds 4 values a lane, 2 pairs; rope_rotate (kernels/cuda/rotate_body.cuh) V values
+    a lane, V/2 pairs."""
     if label.startswith("fp4_hw_selfcheck") or label.startswith("compress_kv"):
         return 2
     if label.startswith("rope_rotate"):
-        return int(label.split("D=")[1]) // 64
+        return int(label.split("V=")[1]) // 2
     return 4
 
 

@@ -1,11 +1,15 @@
 // kernels/cuda/compress.cu: SPEC §7.6 compress_kv and §7.7 rope_rotate_quant on the GPU. The kernel bodies are
-// compress_body.cuh (shared with the host emulator of tests/cpp/compress_host.cpp); this file supplies the SIMT layer
-// (thread/block ids, block barrier, 32-lane shuffles, the error-flag atomic), the kernels and the launchers.
+// compress_body.cuh and rotate_body.cuh (shared with the host emulator of tests/cpp/compress_host.cpp); this file
+// supplies the SIMT layer (thread/block ids, block barrier, 32-lane shuffles, the error-flag atomic, 16/8/4-byte
+// loads and stores), the kernels and the launchers.
 //
 // compress_kv: one launch, 256 threads a block, grid = B sequence blocks + ceil(T / ratio) token-range
 //   blocks; template <K, D> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}); the ring ordering
 //   argument is in compress_body.cuh. Static shared memory: CompressSmem (2 KB).
-// rope_rotate_quant: one launch, one 32-lane warp per (t, h) row, 8 rows per 256-thread block; template <D>.
+// rope_rotate_quant: one launch, 128 threads a block, D/V lanes a (t, h) row (rotate_body.cuh); template <D, V, MODE>:
+//   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 128 for
+//   D = 128 and 64 for wider rows (DSQ_ROTATE_V_LARGE_128 / _WIDE), one instance per output mode. Static shared
+//   memory: RotateSmem (the block's RoPE table, 2 KB).
 // Built with --fmad=false and without fast math (tools/build_native.py; SPEC §0.1).
 #include "compress.h"
 
@@ -21,10 +25,23 @@ __device__ __forceinline__ void block_sync() { __syncthreads(); }
 __device__ __forceinline__ float shfl_xor(float v, int s) { return __shfl_xor_sync(0xFFFFFFFFu, v, s, 32); }
 __device__ __forceinline__ int shfl_xor_i(int v, int s) { return __shfl_xor_sync(0xFFFFFFFFu, v, s, 32); }
 __device__ __forceinline__ void atomic_or(int* p, int v) { atomicOr(p, v); }
+__device__ __forceinline__ void ld16(const void* p, uint32_t (&w)[4]) {
+  const uint4 v = *static_cast<const uint4*>(p);
+  w[0] = v.x;
+  w[1] = v.y;
+  w[2] = v.z;
+  w[3] = v.w;
+}
+__device__ __forceinline__ void st16(void* p, const uint32_t (&w)[4]) {
+  *static_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void st8(void* p, uint32_t w0, uint32_t w1) { *static_cast<uint2*>(p) = make_uint2(w0, w1); }
+__device__ __forceinline__ void st4(void* p, uint32_t w) { *static_cast<uint32_t*>(p) = w; }
 
 }  // namespace dsqv4
 
 #include "compress_body.cuh"
+#include "rotate_body.cuh"
 
 namespace dsqv4 {
 
@@ -37,9 +54,41 @@ __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(Compre
   compress_block<K, D>(a, sm);
 }
 
+// At most 168 registers (3 blocks of 128 threads an SM): a large call's thread holds a row of 128 fp32 values.
+template <int D, int V, int MODE>
+__global__ void __launch_bounds__(rot::kThreads, 3) rope_rotate_kernel(RotateArgs a, rot::Run run) {
+  __shared__ rot::RotateSmem sm;
+  rot::rotate_block<D, V, MODE>(a, run, sm);
+}
+
+template <int D, int V, int MODE>
+int launch_rotate(const RotateArgs& a, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(rot::rotate_grid(a, V));
+  rope_rotate_kernel<D, V, MODE><<<grid, rot::kThreads, 0, stream>>>(a, rot::rotate_run(a, V));
+  return static_cast<int>(cudaGetLastError());
+}
+
+// Small calls: one instance of D, the output mode chosen at run time. Large calls: an instance per output mode, so
+// that each keeps the registers of its own path only (FP8 e4m3fnuz: always the small instance). AMD: the small
+// instance for every call (a 64- or 128-value lane does not fit gfx942/gfx950's registers at 3 blocks of 128
+// threads without scratch).
 template <int D>
-__global__ void __launch_bounds__(256) rope_rotate_kernel(RotateArgs a) {
-  rotate_block<D>(a);
+int launch_rotate_d(const RotateArgs& a, cudaStream_t stream) {
+  using I = rot::Instances<D>;
+#if defined(__HIP__)
+  return launch_rotate<D, I::kSmall, rot::kAnyMode>(a, stream);
+#else
+  if (rot::rotate_values_per_lane(a, I::kSmall, I::kLarge) == I::kSmall)
+    return launch_rotate<D, I::kSmall, rot::kAnyMode>(a, stream);
+  switch (rot::rotate_mode(a)) {
+    case rot::kFp4Threshold: return launch_rotate<D, I::kLarge, rot::kFp4Threshold>(a, stream);
+    case rot::kFp4Rne: return launch_rotate<D, I::kLarge, rot::kFp4Rne>(a, stream);
+    case rot::kFp4Hardware: return launch_rotate<D, I::kLarge, rot::kFp4Hardware>(a, stream);
+    case rot::kFp8Fn: return launch_rotate<D, I::kLarge, rot::kFp8Fn>(a, stream);
+    case rot::kHalf: return launch_rotate<D, I::kLarge, rot::kHalf>(a, stream);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+#endif
 }
 
 template <int K>
@@ -68,13 +117,11 @@ int dsq_compress_kv_launch(const dsqv4::CompressArgs& a, cudaStream_t stream) {
 int dsq_rope_rotate_launch(const dsqv4::RotateArgs& a, cudaStream_t stream) {
   using namespace dsqv4;
   if (a.T == 0 || a.H == 0) return 0;
-  const unsigned grid = static_cast<unsigned>(rotate_grid(a));
   switch (a.D) {
-    case 128: rope_rotate_kernel<128><<<grid, kThreads, 0, stream>>>(a); break;
-    case 256: rope_rotate_kernel<256><<<grid, kThreads, 0, stream>>>(a); break;
-    case 512: rope_rotate_kernel<512><<<grid, kThreads, 0, stream>>>(a); break;
-    case 1024: rope_rotate_kernel<1024><<<grid, kThreads, 0, stream>>>(a); break;
+    case 128: return launch_rotate_d<128>(a, stream);
+    case 256: return launch_rotate_d<256>(a, stream);
+    case 512: return launch_rotate_d<512>(a, stream);
+    case 1024: return launch_rotate_d<1024>(a, stream);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
-  return static_cast<int>(cudaGetLastError());
 }

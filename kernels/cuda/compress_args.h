@@ -20,7 +20,6 @@ using RotateArgs = DsqRotateArgs;
 // Grid of the compress_kv launch (one launch, 256 threads a block, see compress_body.cuh): B sequence blocks, then
 // ceil(T / ratio) token-range blocks.
 inline int64_t compress_grid(const CompressArgs& a) { return a.B + (a.T + a.ratio - 1) / a.ratio; }
-// Grid of the rope_rotate_quant launch: one 32-lane warp per (t, h) row, 8 rows a block.
-inline int64_t rotate_grid(const RotateArgs& a) { return (a.T * a.H + 7) / 8; }
+// The rope_rotate_quant launch's shape: rotate_body.cuh (rot::rotate_values_per_lane, rot::rotate_run, rot::rotate_grid).
 
 }  // namespace dsqv4

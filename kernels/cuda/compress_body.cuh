@@ -1,5 +1,5 @@
-// kernels/cuda/compress_body.cuh: the bodies of the DeepSeek-V4 kernels, SPEC §7.6 compress_kv and §7.7
-// rope_rotate_quant, written once against a tiny SIMT layer so that the same code runs on the GPU
+// kernels/cuda/compress_body.cuh: the body of SPEC §7.6 compress_kv (§7.7 rope_rotate_quant's: rotate_body.cuh),
+// written once against a tiny SIMT layer so that the same code runs on the GPU
 // (kernels/cuda/compress.cu, and hipified for AMD) and under the host emulator of the tests
 // (tests/cpp/compress_host.cpp, one cooperative fiber per thread), which holds it to the reference on the CPU.
 //
@@ -23,7 +23,7 @@ namespace dsqv4 {
 
 using namespace dsq;
 
-constexpr int kThreads = 256;            // threads per block, both kernels
+constexpr int kThreads = 256;            // threads per block
 constexpr int kWarps = kThreads / 32;    // 32-lane warps per block
 
 // ---- loads ------------------------------------------------------------------------------------------
@@ -531,92 +531,6 @@ V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
   if (a.update_state) {                        // every ring read of the sequence (above) before its writes
     block_sync();
     write_ring<K, D>(a, q);
-  }
-}
-
-// =========================================================================================================
-// SPEC §7.7 rope_rotate_quant: one 32-lane warp per (t, h) row of D = 32*V values, 8 rows a block.
-// =========================================================================================================
-template <int D>
-V4_FN void rotate_block(const RotateArgs& a) {
-  constexpr int V = D / 32;
-  constexpr int NC = Chunks<V>::kMax;
-  const int tid = thread_id(), lane = tid & 31;
-  const int64_t row = block_id() * kWarps + (tid >> 5);
-  if (row >= a.T * a.H) return;                // the whole warp
-  const int64_t t = row / a.H, h = row - (row / a.H) * a.H;
-  float x[V];
-  V4_UNROLL
-  for (int e = 0; e < V; ++e) x[e] = load_f(a.x, t * a.x_st + h * a.x_sh + V * lane + e, a.in_dt);
-  const int64_t pos = load_i(a.positions, t, a.pos_dt);
-  if (h == 0 && lane == 0 && (pos < 0 || pos >= a.rope.max_pos)) atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));   // SPEC §7.5
-  warp_rope_tail(x, lane, a.rope, rope_position(pos, a.rope.max_pos, 1));
-  if (a.hadamard) warp_hadamard(x, lane);
-  const int g = a.group;
-  const int cs = g < V ? g : V;
-  if (a.out_kind == code(OutKind::half)) {                // x's dtype, rounded (SPEC §0.4); out may alias x
-    uint16_t* o = reinterpret_cast<uint16_t*>(a.out) + t * a.out_st + h * a.out_sh + V * lane;
-    V4_UNROLL
-    for (int e = 0; e < V; ++e) o[e] = a.in_dt == kBF16 ? round_bf16(x[e]) : round_fp16(x[e]);
-    return;
-  }
-  float am[NC];
-  group_amax(x, g, am);
-  const int64_t ng = D / g;                    // groups per row
-  if (a.out_kind == code(OutKind::fp8)) {                 // s = max(amax, 1e-10) / fmax per group, codes of x * fl(1/s)
-    const Fp8Flavour fl = static_cast<Fp8Flavour>(a.flavour);
-    float sc[NC], inv[NC];
-    V4_UNROLL
-    for (int c = 0; c < NC; ++c) {
-      sc[c] = fp8_group_scale(am[c], fl);
-      inv[c] = fp8_inv_scale(sc[c]);
-    }
-    uint8_t* o = a.out + row * D + V * lane;
-    V4_UNROLL
-    for (int e = 0; e < V; e += 2) {
-      const float iv = chunk_of<V>(e, g) ? inv[NC - 1] : inv[0];
-      const uint16_t two = fp8_encode2(fmul(x[e], iv), fmul(x[e + 1], iv), fl);
-      o[e] = static_cast<uint8_t>(two);
-      o[e + 1] = static_cast<uint8_t>(two >> 8);
-    }
-    V4_UNROLL
-    for (int c = 0; c < NC; ++c) {
-      const int d0 = V * lane + c * cs;        // first value of the chunk
-      if (c * cs < V && d0 % g == 0)
-        reinterpret_cast<float*>(a.out_scale)[row * ng + d0 / g] = sc[c];
-    }
-    return;
-  }
-  // FP4: rule recip, codes by `rounding`.
-  int ex[NC];
-  V4_UNROLL
-  for (int c = 0; c < NC; ++c) ex[c] = ue8m0_exponent(am[c], ScaleRule::recip);
-  uint8_t* o = a.out + row * (D / 2) + (V / 2) * lane;
-  const Rounding rnd = static_cast<Rounding>(a.rounding);
-  V4_UNROLL
-  for (int i = 0; i < V / 2; ++i)   // each byte stored as it is made (few values live at once for D = 1024)
-    o[i] = e2m1_encode_pair(canon_nan(x[2 * i]), canon_nan(x[2 * i + 1]), chunk_of<V>(2 * i, g) ? ex[NC - 1] : ex[0],
-                            rnd);
-  V4_UNROLL
-  for (int c = 0; c < NC; ++c) {
-    const int d0 = V * lane + c * cs;
-    if (!(c * cs < V && d0 % g == 0)) continue;
-    const int64_t G = d0 / g;
-    if (!a.shuffle) {                          // dense [T, H, D/g]
-      a.out_scale[row * ng + G] = static_cast<uint8_t>(ex[c]);
-      continue;
-    }
-    // aiter q-scale layout (SPEC §6), g = 32: k tile kt = G / 4 of token t is row t * D/128 + kt of
-    // [T * D/128, 4, 16, qs_pad]; the pad entries (h/16 >= H/16) of (row, G % 4, h) are written 0 by h < 16.
-    const int64_t tt = t * (D / 128) + G / 4;
-    const int64_t gg = G % 4;
-    // The row's base once, then 32-bit offsets within it (layouts.h aiter_q_scale_in_token).
-    uint8_t* const scale_t = a.out_scale + aiter_q_scale_offset(tt, 0, 0, a.H);
-    const int32_t pad = static_cast<int32_t>(aiter_q_scale_pad(a.H));
-    scale_t[aiter_q_scale_in_token(static_cast<int32_t>(h), static_cast<int32_t>(gg), pad)] = static_cast<uint8_t>(ex[c]);
-    if (h < 16)
-      for (int32_t hp = static_cast<int32_t>(a.H); hp < pad * 16; hp += 16)
-        scale_t[aiter_q_scale_in_token(hp + static_cast<int32_t>(h), static_cast<int32_t>(gg), pad)] = 0;
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -104,15 +105,16 @@ void entry() {
   release_block_if_all_arrived();        // exited threads no longer hold a block barrier
 }
 
-// Run one block of kN fibers until all return; throws on a deadlock (a divergent barrier or shuffle).
-void run_block(int64_t bid, const std::function<void()>& body) {
+// Run one block of n (a multiple of 32, at most kN) fibers until all return; throws on a deadlock (a divergent
+// barrier or shuffle).
+void run_block(int64_t bid, const std::function<void()>& body, int n = kN) {
   Block& b = *g;
   b.bid = bid;
-  b.alive = kN;
+  b.alive = n;
   b.blk_count = 0;
   std::fill(std::begin(b.warp_count), std::end(b.warp_count), 0);
   b.body = body;
-  for (int t = 0; t < kN; ++t) {
+  for (int t = 0; t < n; ++t) {
     Fiber& f = b.f[t];
     f.done = false;
     f.wait_gen = nullptr;
@@ -124,7 +126,7 @@ void run_block(int64_t bid, const std::function<void()>& body) {
   }
   for (;;) {
     bool ran = false, all_done = true;
-    for (int t = 0; t < kN; ++t) {
+    for (int t = 0; t < n; ++t) {
       Fiber& f = b.f[t];
       if (f.done) continue;
       all_done = false;
@@ -137,7 +139,7 @@ void run_block(int64_t bid, const std::function<void()>& body) {
     if (all_done) return;
     if (!ran) {
       int waiting = 0;
-      for (int t = 0; t < kN; ++t) waiting += !b.f[t].done;
+      for (int t = 0; t < n; ++t) waiting += !b.f[t].done;
       throw std::runtime_error("emulated block " + std::to_string(bid) + ": deadlock, " + std::to_string(waiting) +
                                " threads wait at a barrier or shuffle that the others never reach");
     }
@@ -172,9 +174,17 @@ inline void block_sync() { emu::block_barrier(); }
 inline float shfl_xor(float v, int s) { return emu::shuffle(emu::g->slot_f, v, s); }
 inline int shfl_xor_i(int v, int s) { return emu::shuffle(emu::g->slot_i, v, s); }
 inline void atomic_or(int* p, int v) { *p |= v; }
+inline void ld16(const void* p, uint32_t (&w)[4]) { std::memcpy(w, p, 16); }
+inline void st16(void* p, const uint32_t (&w)[4]) { std::memcpy(p, w, 16); }
+inline void st8(void* p, uint32_t w0, uint32_t w1) {
+  const uint32_t w[2] = {w0, w1};
+  std::memcpy(p, w, 8);
+}
+inline void st4(void* p, uint32_t w) { std::memcpy(p, &w, 4); }
 }  // namespace dsqv4
 
 #include "compress_body.cuh"
+#include "rotate_body.cuh"
 
 namespace {
 
@@ -283,20 +293,38 @@ void warp_op(float* x, int64_t count, int n, int op) {
   }
 }
 
-template <int D>
-void rotate_run(const dsqv4::RotateArgs& a) {
-  emu::run_grid(dsqv4::rotate_grid(a), [&](int64_t bid) {
-    emu::run_block(bid, [&] { dsqv4::rotate_block<D>(a); });
+// SPEC §7.7 with V values a lane (0: the launcher's choice, rot::rotate_values_per_lane), the output mode chosen at
+// run time (the CUDA launcher's per-mode instances run the same code with the mode fixed).
+int g_rotate_v = 0;
+
+template <int D, int V>
+void rotate_grid_run(const dsqv4::RotateArgs& a) {
+  namespace rot = dsqv4::rot;
+  const rot::Run run = rot::rotate_run(a, V);
+  emu::run_grid(rot::rotate_grid(a, V), [&](int64_t bid) {
+    rot::RotateSmem sm;
+    emu::run_block(bid, [&] { rot::rotate_block<D, V, rot::kAnyMode>(a, run, sm); }, rot::kThreads);
   });
+}
+
+template <int D>
+void rotate_d(const dsqv4::RotateArgs& a) {
+  using I = dsqv4::rot::Instances<D>;
+  const int v = g_rotate_v ? g_rotate_v : dsqv4::rot::rotate_values_per_lane(a, I::kSmall, I::kLarge);
+  if (v == 16 && D <= 512) return rotate_grid_run<D, (D <= 512 ? 16 : 32)>(a);
+  if (v == 32) return rotate_grid_run<D, 32>(a);
+  if (v == 64) return rotate_grid_run<D, 64>(a);
+  if (v == 128) return rotate_grid_run<D, 128>(a);
+  throw std::invalid_argument("values a lane: 16 (D <= 512), 32, 64 or 128");
 }
 
 void rope_rotate_quant(const dsqv4::RotateArgs& a) {
   if (a.T == 0 || a.H == 0) return;
   switch (a.D) {
-    case 128: rotate_run<128>(a); break;
-    case 256: rotate_run<256>(a); break;
-    case 512: rotate_run<512>(a); break;
-    case 1024: rotate_run<1024>(a); break;
+    case 128: rotate_d<128>(a); break;
+    case 256: rotate_d<256>(a); break;
+    case 512: rotate_d<512>(a); break;
+    case 1024: rotate_d<1024>(a); break;
     default: throw std::invalid_argument("D must be 128, 256, 512 or 1024");
   }
 }
@@ -317,6 +345,8 @@ DSQ_API int dsq_emu_pool_rows(const DsqCompressArgs* a, const int64_t* bs, int64
 DSQ_API int dsq_emu_warp_op(float* x, int64_t count, int n, int op) {
   return guarded([&] { warp_op(x, count, n, op); });
 }
+// The values a lane of the emulated rope_rotate_quant (0: the launcher's choice; 16, 32, 64 or 128).
+DSQ_API void dsq_emu_set_rotate_v(int v) { g_rotate_v = v; }
 // The order of the blocks of a grid: 0 in order, 1 reversed, 2 shuffled (seeded).
 DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) {
   emu::g_order = order;

@@ -148,6 +148,25 @@ PYBIND11_MODULE(dsq_header_host, m) {
       }
     return out;
   });
+  // The fp32 encoder (e2m1x8.h): blocks of 8 values x[8b .. 8b+7], block b at exponent es[b] -> packed bytes
+  // [len(x)/2].
+  m.def("e2m1_encode8_f32", [](const arr<float>& x, const arr<int32_t>& es, int r) {
+    const auto rr = rounding(r);
+    const py::ssize_t n = x.size();
+    need(n % 8 == 0 && es.size() == n / 8, "8 values a block, one exponent a block");
+    auto out = shaped<uint8_t>({n / 2});
+    uint8_t* o = out.mutable_data();
+    for (py::ssize_t g = 0; g < n; g += 8) {
+      float v[8];
+      for (int j = 0; j < 8; ++j) v[j] = x.data()[g + j];
+      const int e = es.data()[g / 8];
+      const uint32_t b = rr == dsq::Rounding::threshold ? dsq::e2m1_encode8_f32<dsq::Rounding::threshold>(v, e)
+                         : rr == dsq::Rounding::rne     ? dsq::e2m1_encode8_f32<dsq::Rounding::rne>(v, e)
+                                                        : dsq::e2m1_encode8_f32<dsq::Rounding::hardware>(v, e);
+      for (int k = 0; k < 4; ++k) o[g / 2 + k] = static_cast<uint8_t>(b >> (8 * k));
+    }
+    return out;
+  });
   m.def("div128", [](const arr<float>& x) { return map1<float>(x, [](float v) { return dsq::div128(v); }); });
   m.def("ue8m0_recip_exponent_bf16", [](const arr<uint16_t>& b) {
     return map1<int32_t>(b, [](uint16_t v) { return dsq::ue8m0_recip_exponent_bf16(v); });

@@ -1,6 +1,7 @@
 // dsaquant/e2m1x8.h: the E2M1 block encoder (SPEC §1-§3) for bf16 inputs, two values per 32-bit
-// operation: eight values of one block -> four packed bytes. Byte-identical to e2m1_encode_pair on
-// the same values (tests/test_header_host.py: every bf16 value at every exponent, every policy).
+// operation: eight values of one block -> four packed bytes; and (at the end) the same for fp32 inputs, rounded
+// to odd bf16 first. Byte-identical to e2m1_encode_pair on the same values (tests/test_header_host.py: every
+// bf16 value at every exponent, every policy; fp32 sweeps at every exponent).
 //
 // Why: the scalar encoder (e2m1.h) costs about 15 integer instructions per value, which bounds the
 // FP4 indexer on the ALU pipe. Here the rounding is done by the bf16 FMA unit, two values at a time:
@@ -229,6 +230,56 @@ DSQ_HD uint32_t e2m1_encode8_bf16_s(const uint32_t (&x)[4], const uint32_t (&ax)
 template <Rounding R>
 DSQ_HD uint32_t e2m1_encode8_bf16(const uint32_t (&x)[4], const uint32_t (&ax)[4], int e) {
   return e2m1_encode8_bf16_s<R>(x, ax, bf16x2_inv_pow2(e), e == 255);
+}
+
+// ---- fp32 inputs: eight values of one block per call --------------------------------------------------------
+// Two fp32 values rounded to odd bf16, packed (lo in bits 0..15): each value's top 16 bits, with the lowest kept
+// bit set when any dropped bit is (von Neumann rounding). A value's order and equality with every number of at
+// most 6 significant bits (bf16 has 8) and at least bf16's smallest exponent survive it, so any later rounding to
+// at most 6 bits (E2M1: 2) of the rounded value, times any power of two, equals that rounding of the fp32 value
+// times the same power (the scaled E2M1 midpoints are such numbers; NaN stays NaN, Inf stays Inf).
+// CUDA sm_90+: two byte permutes, one min.u16x2 (the dropped bits' "any set") and one OR.
+DSQ_HD uint32_t bf16x2_round_odd(float lo, float hi) {
+  const uint32_t top = byte_perm(f2u(lo), f2u(hi), 0x7632u), low = byte_perm(f2u(lo), f2u(hi), 0x5410u);
+#if defined(DSQ_CUDA_DEVICE) && (__CUDA_ARCH__ >= 900)
+  uint32_t sticky;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(sticky) : "r"(low), "r"(0x00010001u));
+#else
+  const uint32_t sticky = ((low & 0xFFFFu) != 0u ? 1u : 0u) | ((low >> 16) != 0u ? 0x10000u : 0u);
+#endif
+  return top | sticky;
+}
+
+// SPEC §2 + §3, policy R: eight fp32 values x[0..7] of one block, block multiplier s = bf16x2_inv_pow2(e) (both
+// halves), nan_scale = (e == 255) -> four packed bytes (value 2i in the low nibble of byte i), byte-identical to
+// pack_nibbles(e2m1_encode_scaled(canon_nan(x[2i]), e, R), e2m1_encode_scaled(canon_nan(x[2i+1]), e, R)) for every
+// x and e. The values are rounded to odd bf16 (bf16x2_round_odd: the E2M1 code of x / 2^(e-127) is unchanged) and
+// encoded by e2m1_encode8_bf16_s. Why: the scalar encoder costs about 15 ALU-pipe instructions a value, which
+// bounds a kernel that encodes fp32 values (rope_rotate_quant); this form costs about 8, two values per operation.
+// HIP keeps the scalar encoder (gfx950's hardware-policy instruction lives there; bf16x2 is emulated on AMD).
+template <Rounding R>
+DSQ_HD uint32_t e2m1_encode8_f32_s(const float (&x)[8], int e, uint32_t s, bool nan_scale) {
+#if defined(DSQ_HIP_DEVICE)
+  (void)s;
+  (void)nan_scale;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i)
+    out |= static_cast<uint32_t>(e2m1_encode_pair(canon_nan(x[2 * i]), canon_nan(x[2 * i + 1]), e, R)) << (8 * i);
+  return out;
+#else
+  (void)e;
+  uint32_t w[4], aw[4];
+  for (int j = 0; j < 4; ++j) {   // the encoder's pairs: values j and j + 4
+    w[j] = bf16x2_round_odd(x[j], x[j + 4]);
+    aw[j] = bf16x2_abs(w[j]);
+  }
+  return e2m1_encode8_bf16_s<R>(w, aw, s, nan_scale);
+#endif
+}
+// The same with the block's exponent e (1..255).
+template <Rounding R>
+DSQ_HD uint32_t e2m1_encode8_f32(const float (&x)[8], int e) {
+  return e2m1_encode8_f32_s<R>(x, e, bf16x2_inv_pow2(e), e == 255);
 }
 
 }  // namespace dsq
