@@ -31,11 +31,10 @@ constexpr int kThreads = 256;                  // AMD: the project's block size 
 constexpr int kThreads = 1024;
 #endif
 constexpr int kWarps = kThreads / 32;           // 32-lane groups (explicit shuffle width: wave64 too)
-constexpr int kItems = 8;                      // consecutive keys per thread in the compaction
-constexpr int kBatch = 8;                      // keys loaded together per thread in a histogram pass
+constexpr int kItems = 4;                      // consecutive keys per thread in the compaction
 constexpr int kTile = kThreads * kItems;
 constexpr int kBins = 256;
-constexpr int kCopies = kWarps;                // one histogram per warp, summed before the scan
+constexpr int kCopies = 4;                     // histogram copies, summed before the scan
 constexpr int kMaxChunks = 8;
 constexpr int kStageWhole = 0, kStageChunk = 1, kStageMerge = 2;
 
@@ -68,45 +67,40 @@ __device__ __forceinline__ void row_span(const DsqTopkArgs& a, int64_t row, int6
     start = 0;
     end = load_index(a.context_lens, row, a.index_dtype);
   } else {
-    start = load_index(a.ks, row, a.index_dtype);
-    end = load_index(a.ke, row, a.index_dtype);
+      start = load_index(a.ks, row, a.index_dtype);
+      end = load_index(a.ke, row, a.index_dtype);
+    }
+    start = start < 0 ? 0 : (start > a.L ? a.L : start);
+    end = end < 0 ? 0 : (end > a.L ? a.L : end);
+    if (end < start) end = start;
   }
-  start = start < 0 ? 0 : (start > a.L ? a.L : start);
-  end = end < 0 ? 0 : (end > a.L ? a.L : end);
-  if (end < start) end = start;
-}
 
-// The elements of one block: keys and positions from the logits, or from the candidate buffers.
-struct Segment {
-  const void* row;           // logits row
-  int64_t start;             // position of element 0 (logits)
-  int32_t n;                 // elements
-  const uint32_t* ckey;      // candidates (merge stage)
-  const int32_t* cpos;
-};
+  // The elements of one block: keys and positions from the logits, or from the candidate buffers.
+  struct Segment {
+    const void* row;           // logits row
+    int64_t start;             // position of element 0 (logits)
+    int32_t n;                 // elements
+    const uint32_t* ckey;      // candidates (merge stage)
+    const int32_t* cpos;
+  };
 
-// An element index for element(): i itself, or n (no element) for i >= n; 64-bit loop counters never wrap.
-__device__ __forceinline__ int32_t clamp_index(int64_t i, int32_t n) { return i < n ? static_cast<int32_t>(i) : n; }
-
-template <int DT, bool CANDS>
-__device__ __forceinline__ void element(const Segment& s, int32_t i, uint32_t& key, int32_t& pos) {
-  if (i >= s.n) {
-    key = 0u;
-    pos = 0;
-  } else if (CANDS) {
-    key = s.ckey[i];
-    pos = s.cpos[i];
-  } else {
-    pos = static_cast<int32_t>(s.start + i);
-    key = load_key<DT>(s.row, pos);
+  template <int DT, bool CANDS>
+  __device__ __forceinline__ void element(const Segment& s, int32_t i, uint32_t& key, int32_t& pos) {
+    if (i >= s.n) {
+      key = 0u;
+      pos = 0;
+    } else if (CANDS) {
+      key = s.ckey[i];
+      pos = s.cpos[i];
+    } else {
+      pos = static_cast<int32_t>(s.start + i);
+      key = load_key<DT>(s.row, pos);
   }
 }
 
 struct Shared {
-  union {                     // the histograms serve the threshold passes, the sort buffer what follows them
-    unsigned long long sort[DSQ_TOPK_MAX_SORT];
-    int hist[kCopies][kBins];   // warp w counts into copy w: atomics of different warps never meet
-  };
+  unsigned long long sort[DSQ_TOPK_MAX_SORT];
+  int hist[kCopies][kBins];   // warp w counts into copy w % kCopies (fewer warps contend per address)
   unsigned long long warp_sums[kWarps];
   int warp_ints[kWarps];
   int digit, above, in_bucket, total;
@@ -196,20 +190,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const DsqTopkArgs a, 
     const int shift = 24 - 8 * p;
     for (int b = tid; b < kCopies * kBins; b += kThreads) sh.hist[b / kBins][b % kBins] = 0;
     __syncthreads();
-    // kBatch keys per thread are loaded before any is counted, so that many loads are in flight at once.
-    for (int64_t base = 0; base < s.n; base += static_cast<int64_t>(kBatch) * kThreads) {
-      uint32_t keys[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        int32_t pos;
-        element<DT, kCands>(s, clamp_index(base + j * kThreads + tid, s.n), keys[j], pos);   // past the end: key 0
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const uint32_t key = keys[j];
-        const bool match = key != 0u && (p == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)));
-        if (match) atomicAdd(&sh.hist[tid >> 5][(key >> shift) & 0xFFu], 1);
-      }
+#pragma unroll 4
+    for (int32_t i = tid; i < s.n; i += kThreads) {   // unrolled: several loads in flight per thread
+      uint32_t key;
+      int32_t pos;
+      element<DT, kCands>(s, i, key, pos);
+      const bool match = key != 0u && (p == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)));
+      if (match) atomicAdd(&sh.hist[(tid >> 5) & (kCopies - 1)][(key >> shift) & 0xFFu], 1);
     }
     __syncthreads();
     // thread t < 256 holds bin 255 - t: the inclusive scan is the count of keys with a digit >= that bin
@@ -239,14 +226,14 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const DsqTopkArgs a, 
   int taken = 0, eq_seen = 0;
   uint32_t* const dst_key = STAGE == kStageChunk ? ws_key + blockIdx.x * static_cast<int64_t>(per) : nullptr;
   int32_t* const dst_pos = STAGE == kStageChunk ? ws_pos + blockIdx.x * static_cast<int64_t>(per) : nullptr;
-  for (int64_t base = 0; base < s.n; base += kTile) {
+  for (int32_t base = 0; base < s.n; base += kTile) {
     uint32_t keys[kItems];
     int32_t poss[kItems];
     unsigned flags = 0u;    // bit j: above; bit 8 + j: equal
     int ngt = 0, neq = 0;
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      element<DT, kCands>(s, clamp_index(base + tid * kItems + j, s.n), keys[j], poss[j]);
+      element<DT, kCands>(s, base + tid * kItems + j, keys[j], poss[j]);
       const uint32_t hi = keys[j] >> lvl;
       const bool gt = keys[j] != 0u && hi > t_hi;
       const bool eq = keys[j] != 0u && hi == t_hi;
@@ -292,11 +279,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const DsqTopkArgs a, 
   // ---- sort the taken words descending, write the row
   for (int32_t j = taken + tid; j < k_pad; j += kThreads) sh.sort[j] = 0ull;
   for (int size = 2; size <= k_pad; size <<= 1) {
-    for (int lg = __ffs(size) - 2; lg >= 0; --lg) {      // stride = 2^lg: size/2 down to 1
-      const int stride = 1 << lg;
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
       for (int i = tid; i < k_pad / 2; i += kThreads) {
-        const int lo = ((i >> lg) << (lg + 1)) + (i & (stride - 1));
+        const int lo = 2 * stride * (i / stride) + (i % stride);
         const int hi = lo + stride;
         const bool desc = (lo & size) == 0;
         const unsigned long long x = sh.sort[lo], y = sh.sort[hi];
