@@ -150,8 +150,8 @@ struct IndexerQRow {
   __device__ __forceinline__ int64_t position() const { return rope_position(pos_in, a.rope.max_pos, 1); }
   __device__ __forceinline__ void weight(int h, float w) const { store_weight(a, t, h, w); }
 
-  __device__ __forceinline__ void head(unsigned mask, int lane, const Raw& raw, const float (&c)[8], const float (&s)[8],
-                                       int h, float w, bool act, uint8_t* out_h) const {
+  __device__ __forceinline__ void head(unsigned mask, int lane, const Raw& raw, const float (&c)[8],
+                                       const float (&s)[8], int h, float w, bool act, uint8_t* out_h) const {
     float v[16];
     constexpr bool packed = MODE != kModeFp8 && IN_DT == kBF16 && kPackedFp4Native;
     unpack<IN_DT>(raw, v, packed ? 8 : 16);   // packed FP4: the b values stay bf16 pairs
@@ -196,9 +196,8 @@ struct IndexerQRow {
 
 // The block's shared memory, in 16-byte units: a q block's row ring (qrows.cuh kQSmemVec4), or a k block's
 // norm weights and biases (256 floats).
-template <int MODE, int IN_DT, int CDT, bool NEOX>
-constexpr int kSmemVec4 = kQSmemVec4<IndexerQRow<MODE, IN_DT, CDT, NEOX>> > 0 ? kQSmemVec4<IndexerQRow<MODE, IN_DT, CDT, NEOX>>
-                                                                           : 256 / 4;
+template <class QRow>
+constexpr int kSmemVec4 = kQSmemVec4<QRow> > 256 / 4 ? kQSmemVec4<QRow> : 256 / 4;
 
 // ---- k blocks: one k row per group ----------------------------------------------------------------
 // Every thread of the block calls it (a barrier inside); a row t_in >= T loads row T - 1 and writes nothing.
@@ -300,7 +299,8 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
 template <int MODE, int IN_DT, int CDT, bool NEOX>
 __global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4)
     indexer_kernel(IndexerArgs a, int64_t nk_first, int64_t nq, int chunks, int chunk_heads) {
-  __shared__ uint4 smem[kSmemVec4<MODE, IN_DT, CDT, NEOX>];
+  using QRow = IndexerQRow<MODE, IN_DT, CDT, NEOX>;
+  __shared__ uint4 smem[kSmemVec4<QRow>];
   // Blocks [0, nk_first) are k blocks, then nq q blocks, then the other k blocks (host: below).
   const int64_t b = static_cast<int64_t>(blockIdx.x) - nk_first;
   if (b >= 0 && b < nq) {
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS
     // 60 us with one call site). AMD: one call site (two inlined copies spill SGPRs on gfx942).
     if (chunks == 0) {
       const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
-      if (t < a.T) q_heads<IndexerQRow<MODE, IN_DT, CDT, NEOX>, 4>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4, smem);
+      if (t < a.T) q_heads<QRow, 4>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4, smem);
       return;
     }
 #endif
@@ -329,9 +329,9 @@ __global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS
       ngroups = kGroups;
     }
 #if defined(__HIP__)
-    if (t < a.T) q_heads<IndexerQRow<MODE, IN_DT, CDT, NEOX>, 0>(a, t, h_begin, h_end, g, ngroups, smem);
+    if (t < a.T) q_heads<QRow, 0>(a, t, h_begin, h_end, g, ngroups, smem);
 #else
-    if (t < a.T) q_heads<IndexerQRow<MODE, IN_DT, CDT, NEOX>, kGroups>(a, t, h_begin, h_end, g, ngroups, smem);
+    if (t < a.T) q_heads<QRow, kGroups>(a, t, h_begin, h_end, g, ngroups, smem);
 #endif
   } else {
     k_row<MODE, IN_DT, CDT, NEOX>(a, (b < 0 ? b + nk_first : b - nq) * kGroups + (threadIdx.x >> 3),

@@ -80,8 +80,8 @@ struct QPackRow {
     a.w_out[t * H + h] = round_to_bf16(fmul(w, a.weight_scale));
   }
 
-  __device__ __forceinline__ void head(unsigned mask, int lane, const Raw& raw, const float (&c)[8], const float (&s)[8],
-                                       int h, float, bool act, uint8_t* out_h) const {
+  __device__ __forceinline__ void head(unsigned mask, int lane, const Raw& raw, const float (&c)[8],
+                                       const float (&s)[8], int h, float, bool act, uint8_t* out_h) const {
     float v[16];
     if constexpr (kPacked) {
       unpack_b<IN_DT>(raw, v);   // the a values stay bf16 words
@@ -171,12 +171,14 @@ struct QPackRow {
           const int ea = ue8m0_exponent(amax_lanes(mask, v, 0, 4), ScaleRule::recip);
           const int eb = ue8m0_exponent(amax_lanes(mask, v, 1, 4), ScaleRule::recip);
 #pragma unroll
-          for (int i = 0; i < 16; ++i) hb[i] = to_half_bits<IN_DT>(fp4_fake_quant_value_e(canon(v[i]), i < 8 ? ea : eb));
+          for (int i = 0; i < 16; ++i)
+            hb[i] = to_half_bits<IN_DT>(fp4_fake_quant_value_e(canon(v[i]), i < 8 ? ea : eb));
         } else {   // e4m3 scales on blocks of 16: 2 lanes
           const float sa = nvfp4_e4m3_scale(amax_lanes(mask, v, 0, 2));
           const float sb = nvfp4_e4m3_scale(amax_lanes(mask, v, 1, 2));
 #pragma unroll
-          for (int i = 0; i < 16; ++i) hb[i] = to_half_bits<IN_DT>(fp4_fake_quant_value(canon(v[i]), i < 8 ? sa : sb));
+          for (int i = 0; i < 16; ++i)
+            hb[i] = to_half_bits<IN_DT>(fp4_fake_quant_value(canon(v[i]), i < 8 ? sa : sb));
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {

@@ -139,7 +139,8 @@ __device__ __forceinline__ void rope_entries(const RopeArgs& tab, int64_t p, int
 // fl(fl(x*c) + fl(y*s')) with s' = -s on lanes 0..3 (rope_entries): fl(y*(-s)) = -fl(y*s) and x - y is
 // x + (-y), exactly.
 template <bool NEOX, int OFF = 0>
-__device__ __forceinline__ void rope8(unsigned mask, int lane, float (&v)[16], const float (&c)[8], const float (&s)[8]) {
+__device__ __forceinline__ void rope8(unsigned mask, int lane, float (&v)[16], const float (&c)[8],
+                                      const float (&s)[8]) {
   if (NEOX) {
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -249,18 +250,19 @@ constexpr int kQSmemVec4 = Row::kStages >= 2 ? kRingVec4<Row> + (Row::kTableInSm
 // Row::kStages >= 2 (CUDA), through a per-thread ring of kStages row slots in shared memory filled by
 // cp.async: kStages - 1 heads are in flight while one is processed, and they hold no registers.
 // NG > 0: ngroups is the compile-time NG (its loop steps are constants).
-// Row: what is done to the rows of one token, constructed per token as Row(a, t, h_begin, g, lane):
-//   Args                    the argument struct (fields q, q_st, q_sh, q_vec, positions, pos_dt, rope, w,
-//                           w_st, w_sh, w_dt are read here)
+// Row: what is done to the rows of one token, constructed per token as Row(a, t, h_begin, g, lane) (the
+// token's own loads go first there: its position, the indexer's slot):
+//   Args                    the argument struct (its fields q_sh, q_vec, w, w_st, w_sh, w_dt, rope are read here)
 //   kStages, kHeadsInFlight the two loading paths' sizes (above); kTableInSmem: the ring path keeps the RoPE
 //                           entries in shared memory (read again per head) instead of registers
 //   kRowBytes               a head's output bytes: head() gets its row at out_t + h * kRowBytes
 //   kHeadWeights            the head's weight is loaded with its row (lane 0; through the ring on CUDA)
 //   kWeightsAfter           weight(h, w) is called for every head after the heads, a head per thread
 //   kNeox, kCdt             the RoPE pairs and the table's element type (rope_entries)
-//   q_t                     the token's q rows (a.q + t * a.q_st)
-//   out_t, writes() (false: the token's rows are skipped), position() -> the token's table row, head(mask, lane, raw, c, s, h, w, act, out_h),
-//   weight(h, w).
+//   q_t, out_t              the token's q rows (a.q + t * a.q_st) and first output row
+//   writes()                false: the token's rows are skipped (warp-uniform)
+//   position()              the token's table row (SPEC §5, §7.5: clamped; an out-of-range one reported)
+//   head(mask, lane, raw, c, s, h, w, act, out_h), weight(h, w): see below.
 template <class Row, int NG>
 __device__ __forceinline__ void q_heads(const typename Row::Args& a, int64_t t, int h_begin, int h_end, int g,
                                         int ngroups_rt, uint4* smem) {
@@ -268,9 +270,9 @@ __device__ __forceinline__ void q_heads(const typename Row::Args& a, int64_t t, 
   const int lane = threadIdx.x & 7;
   constexpr unsigned mask = 0xFFFFFFFFu;   // the whole warp runs every iteration (above)
   const int gw = g & 3, hw0 = h_begin + (g & ~3);   // group in warp; the warp's first head
-  // The token's loads (the indexer's slot; the position, row.pos_in), its rows (row.q_t) and the first heads'
-  // rows are issued together (none depends on another): at small T this dependent-load chain is most of
-  // the call. Rows of a skipped token are read and dropped (in bounds either way).
+  // The token's loads (Row's constructor) and the first heads' rows are issued together (none depends on
+  // another): at small T this dependent-load chain is most of the call. Rows of a skipped token are read
+  // and dropped (in bounds either way).
   const Row row(a, t, h_begin, g, lane);
   const uint16_t* q_t = row.q_t;
   constexpr int kRowBytes = Row::kRowBytes;   // a q row's output bytes
