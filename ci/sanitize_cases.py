@@ -56,5 +56,18 @@ for T in (1, 37):
     dq.rope_rotate_quant(torch.empty(T, 16, 128, dtype=torch.float8_e4m3fn, device=dev), x, cos, sin, pos,
                          out_scale=torch.empty(T, 16, 1, device=dev), backend=backend)
     dq.rope_rotate_quant(x, x, cos, sin, pos, backend=backend)
+# The q writers' warp-per-token mode (its cp.async row ring; H = 36 leaves warps partly empty) and
+# rope_rotate_quant on several tokens per block and every D.
+a = tt.make_q_pack(T=4096, H=36, device=dev)
+dq.index_q_rope_pack_weights(**a, backend=backend)
+dq.rope_fake_quant_fp4(a["q"], a["positions"], a["freqs"], 32, "ue8m0", backend=backend)
+for D in (128, 256, 512, 1024):
+    T = 300 if D == 128 else 33
+    x = torch.randn(T, 8, D, device=dev, dtype=torch.bfloat16)
+    cos, sin, _ = tt.rope_tables(4096, dev)
+    pos = torch.randint(0, 4096, (T,), device=dev)
+    dq.rope_rotate_quant(torch.empty(T, 8, D // 2, dtype=torch.uint8, device=dev), x, cos, sin, pos,
+                         out_scale=torch.empty(T, 8, D // 32, dtype=torch.uint8, device=dev), group_size=32, shuffle_scale=False,
+                         backend=backend)
 torch.cuda.synchronize()
 print(f"sanitize cases done on backend {backend}")

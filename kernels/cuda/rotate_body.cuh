@@ -213,7 +213,7 @@ V4_FN void chunk_amax(const float (&x)[V], float (&am)[V / CS], int lpg, bool sh
 
 // Where the lane's runs start (elements of the row) and how its groups combine.
 struct Runs {
-  int e0, e1;       // first elements of run 0 (values 0 .. V/2-1) and run 1 (V/2 .. V-1)
+  int e0, e1;       // first elements of the lane's first run (values 0 .. V/2-1) and its second (V/2 .. V-1)
   int lpg;          // lanes whose runs share a group (groups wider than a run)
   bool share;       // the lane's two runs lie in one group
 };

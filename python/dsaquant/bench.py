@@ -251,7 +251,8 @@ def run(tokens=(1, 64, 1024, 8192, 32768), heads=64, backends=None, graph_calls=
 
     for T in tokens:
         for label, op, fn, make, nbytes in cases(T, heads):
-            bench_case(label, T, op, fn, make, nbytes, heads)
+            mode = label.split()[-1].lower() if op == "indexer_qk_rope_quant_and_cache" else None   # "fp8" / "fp4"
+            bench_case(label, T, op, fn, make, nbytes, heads, preference.variant(op, out_format=mode))
     for label, T, op, fn, make, nbytes, variant in (v4_cases(tokens) if v4 else ()):
         bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None, variant)
     from .bench_topk import topk_rows

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import preference, dispatch
 from . import validate as V
 from .codes import LAYOUTS
 from .reference.fp4 import POLICIES
@@ -124,7 +124,8 @@ def indexer_qk_rope_quant_and_cache(q, q_out, weights, weights_out, k, kv_cache,
     V.host_slot_check("slot_mapping", slot_mapping, kv_cache.shape[0] * P)
     if T == 0:
         return
-    name = dispatch.choose_for("indexer_qk_rope_quant_and_cache", dev, backend, T)
+    name = dispatch.choose_for("indexer_qk_rope_quant_and_cache", dev, backend, T,
+                               preference.variant("indexer_qk_rope_quant_and_cache", out_format="fp4" if fp4 else "fp8"))
     _indexer_op(q, q_out, weights, weights_out, k, kv_cache, slot_mapping, norm_weight, norm_bias, positions,
                 cos_cache, sin_cache, float(epsilon), quant_block_size, scale_fmt or None, float(weights_scale),
                 preshuffle, is_neox, compute_all_q_rope, q_scale_out, kv_cache_scale, rounding, flavour, P, name)

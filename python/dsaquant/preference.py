@@ -6,13 +6,13 @@ name a `variant` (a string the op's wrapper passes, see `variant`) and a range o
 max_size) of the op's token count T; the first matching rule of the op wins. An order lists the backends
 to try first; the default order's remaining backends follow it, so an order never loses a fallback.
 
-The NVIDIA rules come from the H200 measurements in benchmarks/results/h200.md (writers 2026-11-29:
-"Writers and scorer" and "DeepSeek-V4 ops", CUDA-graph medians at T = 1, 16, 64, 1024, 8192, H = 64).
-An op whose ranking was the same at every measured T has one order and no size range; sizes and variants
-not measured keep the default order. Kept on the default order (cuda first): the indexer
-(`indexer_qk_rope_quant_and_cache`; cuda is faster or within the noise at every T with its work-based
-FP8 switch), `paged_mqa_logits` and `topk_indices` (cuda 2-3x faster than triton). On AMD the default
-order holds until measured.
+The NVIDIA rules come from the H200 measurements in benchmarks/results/h200.md ("Writers, 2026-12-02":
+CUDA-graph medians at T = 1, 64, 1024, 8192, 32768, H = 64). An op whose ranking was the same at every
+measured T has one order and no size range; a size range starts at the first measured T where the ranking
+turns; sizes and variants not measured keep the default order. Kept on the default order (cuda first):
+`index_q_rope_pack_weights` (cuda faster at every T but 1024, where triton is 3 % faster),
+`paged_mqa_logits` and `topk_indices` (cuda 2-3x faster than triton). On AMD the default order holds until
+measured.
 """
 from __future__ import annotations
 
@@ -47,16 +47,21 @@ TRITON_FIRST = ("triton", "cuda", "reference")
 
 TABLE: dict[str, dict[str, tuple[Rule, ...]]] = {
     "nvidia": {
-        "index_q_rope_pack_weights": (Rule(TRITON_FIRST, why="T=64 cuda 4.63 vs triton 3.59 µs, T=1024 45.06 vs "
-                                           "18.68, T=8192 330.91 vs 122.88; T<=16 within 2 %"),),
-        "index_k_norm_rope_pack_store": (Rule(TRITON_FIRST, why="T=16/64 cuda 4.4 vs triton 4.2 µs, T=8192 8.69 "
-                                              "vs 6.55; T=1, 1024 within 1 %"),),
-        "rmsnorm_rope_rotate_fp4quant_kvcache": (Rule(TRITON_FIRST, why="T=16/64 cuda 3.5 vs triton 3.3 µs, "
-                                                      "T=1024 4.06 vs 3.92, T=8192 6.72 vs 6.19"),),
-        "rope_rotate_quant": (Rule(TRITON_FIRST, variant="fp4", why="FP4 out, H=64, T=8192: cuda 368.07 vs "
-                                   "triton 197.61 µs"),),
-        "compress_kv": (Rule(TRITON_FIRST, variant="ratio=128", why="prefill T=8192 FP4: cuda 76.84 vs triton "
-                             "45.55 µs (ratio 4 keeps cuda: 33.89 vs 40.01, decode B=64 8.63 vs 10.54)"),),
+        "indexer_qk_rope_quant_and_cache": (Rule(TRITON_FIRST, variant="fp8", min_size=1024, max_size=2048,
+                                                 why="FP8, T=1024: cuda 12.38 vs triton 10.99 µs (T=64 2.90 vs "
+                                                 "3.14, T=8192 53.78 vs 58.68: cuda)"),),
+        "index_k_norm_rope_pack_store": (Rule(TRITON_FIRST, why="T=64 cuda 4.38 vs triton 4.23 µs, T=8192 8.92 "
+                                              "vs 6.68, T=32768 28.16 vs 18.16; T=1, 1024 within 2 %"),),
+        "rmsnorm_rope_rotate_fp4quant_kvcache": (Rule(TRITON_FIRST, why="T=64 cuda 3.54 vs triton 3.29 µs, "
+                                                      "T=8192 6.80 vs 6.32, T=32768 20.38 vs 16.73"),),
+        "rope_rotate_quant": (Rule(TRITON_FIRST, variant="fp4", min_size=1024, why="FP4 out, H=64: T=1024 cuda "
+                                   "27.47 vs triton 15.50 µs, T=8192 151.56 vs 83.46 (T=1 3.08 vs 5.23, T=64 "
+                                   "3.69 vs 5.69: cuda)"),),
+        "compress_kv": (Rule(TRITON_FIRST, variant="ratio=128", min_size=64, why="prefill FP4, T=64: cuda 40.52 "
+                             "vs triton 5.64 µs, T=8192 78.34 vs 45.58 (T=1 2.57 vs 4.95: cuda)"),
+                        Rule(TRITON_FIRST, variant="ratio=4", min_size=16384, why="prefill FP4, T=32768: cuda "
+                             "145.76 vs triton 109.04 µs (T=8192 34.03 vs 40.43, decode B=64 8.91 vs 10.43: "
+                             "cuda)")),
     },
     "amd": {},
 }
@@ -64,8 +69,11 @@ TABLE: dict[str, dict[str, tuple[Rule, ...]]] = {
 
 def variant(op: str, *, ratio: int | None = None, out_format: str | None = None) -> str | None:
     """The variant string the table's rules of `op` match: compress_kv "ratio=<ratio>"; rope_rotate_quant
-    the output format, "fp4" (uint8 / float4_e2m1fn_x2 out), "fp8" or "half" (bf16/fp16 out); None for the
-    other ops. The op wrappers and the bench both build it here."""
+    the output format, "fp4" (uint8 / float4_e2m1fn_x2 out), "fp8" or "half" (bf16/fp16 out); the indexer
+    its quantization, "fp8" or "fp4" (out_format); None for the other ops. The op wrappers and the bench both
+    build it here."""
+    if op == "indexer_qk_rope_quant_and_cache" and out_format is not None:
+        return out_format
     if op == "compress_kv" and ratio is not None:
         return f"ratio={int(ratio)}"
     if op == "rope_rotate_quant" and out_format is not None:
