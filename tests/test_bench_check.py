@@ -84,3 +84,14 @@ def test_format_table_has_the_read_column_and_the_check():
     old = dict(copy_gb_s=4249.0, device="GPU", rows=[{k: v for k, v in r.items() if k not in ("pct_read", "auto")}
                                                      for r in rows], scorer=[])
     assert "| q pack | 64 | cuda | - | 4.63 |" in bench.format_table(old)
+
+
+def test_writer_rows_carry_the_variant_the_op_wrappers_pass():
+    # the bench's automatic pick must see the variant the op's wrapper gives dispatch (ops.py, compress.py)
+    got = {label: (op, variant) for label, op, _, _, _, variant in bench.cases(8, 64)}
+    assert got["indexer FP8"] == ("indexer_qk_rope_quant_and_cache", "fp8")
+    assert got["indexer FP4"] == ("indexer_qk_rope_quant_and_cache", "fp4")
+    assert got["q pack weights (v41)"] == ("index_q_rope_pack_weights", None)
+    v4 = {(label, T): variant for label, T, _, _, _, _, variant in bench.v4_cases((64, 8192))}
+    assert v4[("compress_kv prefill r128 fp4", 8192)] == "ratio=128" and v4[("compress_kv prefill r4 fp4", 64)] == "ratio=4"
+    assert v4[("rope_rotate_quant fp4 H=64", 64)] == "fp4" and len(v4) == 7

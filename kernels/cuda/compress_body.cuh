@@ -80,16 +80,7 @@ V4_FN float warp_sum(const float (&t)[V]) {
 // h < V inside the lane, h = V*s between lanes l and l ^ s.
 template <int V>
 V4_FN void warp_hadamard(float (&x)[V], int lane) {
-  V4_UNROLL
-  for (int h = 1; h < V; h <<= 1) {
-    V4_UNROLL
-    for (int e = 0; e < V; ++e) {
-      if (e & h) continue;
-      const float a = x[e], b = x[e + h];
-      x[e] = fadd(a, b);
-      x[e + h] = fsub(a, b);
-    }
-  }
+  hadamard_butterflies<V>(x);   // strides below V: inside the lane
   V4_UNROLL
   for (int s = 1; s < 32; s <<= 1) {
     const bool upper = (lane & s) != 0;   // holds b of the pair (a, b): a - b, the lower lane a + b

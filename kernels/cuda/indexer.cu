@@ -293,9 +293,7 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   }
 }
 
-// q blocks and k blocks. Whole-token mode (chunks == 0): block b's warp w takes token 8b + w (its 4
-// groups share the token's heads); else block b takes `chunk_heads` heads of token b / chunks, one group
-// per head (latency: a small call's heads spread over SMs).
+// q blocks (qrows.cuh q_block: whole tokens per warp, or chunks of a token's heads per block) and k blocks.
 template <int MODE, int IN_DT, int CDT, bool NEOX>
 __global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS_FP8 : DSQ_INDEXER_MIN_BLOCKS_FP4)
     indexer_kernel(IndexerArgs a, int64_t nk_first, int64_t nq, int chunks, int chunk_heads) {
@@ -304,35 +302,7 @@ __global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS
   // Blocks [0, nk_first) are k blocks, then nq q blocks, then the other k blocks (host: below).
   const int64_t b = static_cast<int64_t>(blockIdx.x) - nk_first;
   if (b >= 0 && b < nq) {
-#if !defined(__HIP__)
-    // NVIDIA: a call site per mode, each with its team size fixed (H200: FP8 55 us against
-    // 60 us with one call site). AMD: one call site (two inlined copies spill SGPRs on gfx942).
-    if (chunks == 0) {
-      const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
-      if (t < a.T) q_heads<QRow, 4>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4, smem);
-      return;
-    }
-#endif
-    int64_t t;
-    int h_begin = 0, h_end = static_cast<int>(a.H), g, ngroups;
-    if (chunks == 0) {
-      t = b * (kGroups / 4) + (threadIdx.x >> 5);
-      g = (threadIdx.x >> 3) & 3;
-      ngroups = 4;
-    } else {
-      // b < 2^31 (a block index): a 32-bit division (a 64-bit one is a call on the small-T critical path)
-      const uint32_t ub = static_cast<uint32_t>(b), uc = static_cast<uint32_t>(chunks);
-      t = ub / uc;
-      h_begin = static_cast<int>(ub % uc) * chunk_heads;
-      h_end = h_begin + chunk_heads < h_end ? h_begin + chunk_heads : h_end;
-      g = threadIdx.x >> 3;
-      ngroups = kGroups;
-    }
-#if defined(__HIP__)
-    if (t < a.T) q_heads<QRow, 0>(a, t, h_begin, h_end, g, ngroups, smem);
-#else
-    if (t < a.T) q_heads<QRow, kGroups>(a, t, h_begin, h_end, g, ngroups, smem);
-#endif
+    q_block<QRow>(a, b, chunks, chunk_heads, smem);
   } else {
     k_row<MODE, IN_DT, CDT, NEOX>(a, (b < 0 ? b + nk_first : b - nq) * kGroups + (threadIdx.x >> 3),
                                   reinterpret_cast<float*>(smem));

@@ -97,12 +97,7 @@ struct QPackRow {
         uint32_t xa[4], xb[4], aa[4], ab[4];   // values j and j + 4 per word, as the encoder pairs them
         pair_j_j4(raw.a, xa);
         round_j_j4(v, 8, xb);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          aa[j] = bf16x2_abs(xa[j]);
-          ab[j] = bf16x2_abs(xb[j]);
-        }
-        const uint32_t m = block_amax_bf16(mask, aa, ab);
+        const uint32_t m = block_abs_amax_bf16(mask, xa, xb, aa, ab);
         const TwoStageBf16x2 p = two_stage_params_bf16x2(m);
         ba = two_stage8_bf16_fast(xa, aa, p.inv_a, p.clamp_a, p.kr_a, p.thr_a, r);
         bb = two_stage8_bf16_fast(xb, ab, p.inv_b, p.clamp_b, p.kr_b, p.thr_b, r);
@@ -194,43 +189,15 @@ struct QPackRow {
   }
 };
 
-// Whole-token mode (chunks == 0): block b's warp w takes token 8b + w (its 4 groups share the token's heads);
-// else block b takes `chunk_heads` heads of token b / chunks, one group per head (a small call's heads spread
-// over SMs). As the indexer's q blocks (indexer.cu), without its k blocks.
+// The q blocks of qrows.cuh's q_block, as the indexer's (indexer.cu), without its k blocks.
 template <int IN_DT, int MODE>
 __global__ void __launch_bounds__(256, DSQ_QPACK_MIN_BLOCKS) qpack_kernel(QPackArgs a, int chunks, int chunk_heads) {
   using Row = QPackRow<IN_DT, MODE>;
-  const int64_t b = blockIdx.x;
 #if !defined(__HIP__)
   __shared__ uint4 smem[kQSmemVec4<Row> > 0 ? kQSmemVec4<Row> : 1];
-  if (chunks == 0) {
-    const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
-    if (t < a.T) q_heads<Row, 4>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4, smem);
-    return;
-  }
-  // b < 2^31 (a block index): a 32-bit division
-  const uint32_t ub = static_cast<uint32_t>(b), uc = static_cast<uint32_t>(chunks);
-  const int64_t t = ub / uc;
-  const int h_begin = static_cast<int>(ub % uc) * chunk_heads;
-  const int h_end = h_begin + chunk_heads < a.H ? h_begin + chunk_heads : static_cast<int>(a.H);
-  if (t < a.T) q_heads<Row, kGroups>(a, t, h_begin, h_end, threadIdx.x >> 3, kGroups, smem);
+  q_block<Row>(a, blockIdx.x, chunks, chunk_heads, smem);
 #else
-  // AMD: one call site, no shared memory (no cp.async).
-  int64_t t;
-  int h_begin = 0, h_end = static_cast<int>(a.H), g, ngroups;
-  if (chunks == 0) {
-    t = b * (kGroups / 4) + (threadIdx.x >> 5);
-    g = (threadIdx.x >> 3) & 3;
-    ngroups = 4;
-  } else {
-    const uint32_t ub = static_cast<uint32_t>(b), uc = static_cast<uint32_t>(chunks);
-    t = ub / uc;
-    h_begin = static_cast<int>(ub % uc) * chunk_heads;
-    h_end = h_begin + chunk_heads < h_end ? h_begin + chunk_heads : h_end;
-    g = threadIdx.x >> 3;
-    ngroups = kGroups;
-  }
-  if (t < a.T) q_heads<Row, 0>(a, t, h_begin, h_end, g, ngroups, nullptr);
+  q_block<Row>(a, blockIdx.x, chunks, chunk_heads, nullptr);   // AMD: no shared memory (no cp.async)
 #endif
 }
 

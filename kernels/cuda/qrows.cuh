@@ -202,16 +202,22 @@ constexpr bool kPackedFp4Native = false;
   m = bf16x2_max_nn(m, group_shfl_xor<kGroupLanes>(mask, m, 2));
   return bf16x2_max_nn(bf16x2_max_nn(m, group_shfl_xor<kGroupLanes>(mask, m, 1)), 0u);   // an all-NaN block: 0
 }
-template <Rounding R>
-__device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&xa)[4], const uint32_t (&xb)[4],
-                                               uint32_t& bytes_a, uint32_t& bytes_b, int& e_a, int& e_b) {
-  uint32_t aa[4], ab[4];
+// The same from the lane's words of x (xa, xb), which also leaves |x| in aa and ab.
+[[maybe_unused]] __device__ __forceinline__ uint32_t block_abs_amax_bf16(unsigned mask, const uint32_t (&xa)[4],
+                                                                         const uint32_t (&xb)[4], uint32_t (&aa)[4],
+                                                                         uint32_t (&ab)[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     aa[j] = bf16x2_abs(xa[j]);
     ab[j] = bf16x2_abs(xb[j]);
   }
-  const uint32_t m = block_amax_bf16(mask, aa, ab);
+  return block_amax_bf16(mask, aa, ab);
+}
+template <Rounding R>
+__device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&xa)[4], const uint32_t (&xb)[4],
+                                               uint32_t& bytes_a, uint32_t& bytes_b, int& e_a, int& e_b) {
+  uint32_t aa[4], ab[4];
+  const uint32_t m = block_abs_amax_bf16(mask, xa, xb, aa, ab);
   const Bf16x2Scales sc = ue8m0_recip_scales_bf16x2(m);
   e_a = sc.e_a;
   e_b = sc.e_b;
@@ -397,6 +403,43 @@ __device__ __forceinline__ void q_heads(const typename Row::Args& a, int64_t t, 
     for (int h = hw_first + ngroups * kGroupLanes; h < h_end; h += ngroups * kGroupLanes)
       row.weight(h, load_f(a.w, t * a.w_st + h * a.w_sh, a.w_dt));
   }
+}
+
+// One q block of a writer kernel (indexer.cu's q blocks, qpack.cu). Whole-token mode (chunks == 0): block b's warp w
+// takes token 8b + w (its 4 groups share the token's heads); else block b takes `chunk_heads` heads of token
+// b / chunks, one group per head (latency: a small call's heads spread over SMs). NVIDIA: a call site per mode, each
+// with its team size fixed (H200: FP8 indexer 55 us against 60 us with one call site). AMD: one call site (two
+// inlined copies spill SGPRs on gfx942); smem may be null there (q_heads reads it only through the CUDA ring).
+template <class Row>
+__device__ __forceinline__ void q_block(const typename Row::Args& a, int64_t b, int chunks, int chunk_heads,
+                                        uint4* smem) {
+#if !defined(__HIP__)
+  if (chunks == 0) {
+    const int64_t t = b * (kGroups / 4) + (threadIdx.x >> 5);
+    if (t < a.T) q_heads<Row, 4>(a, t, 0, static_cast<int>(a.H), (threadIdx.x >> 3) & 3, 4, smem);
+    return;
+  }
+#endif
+  int64_t t;
+  int h_begin = 0, h_end = static_cast<int>(a.H), g, ngroups;
+  if (chunks == 0) {
+    t = b * (kGroups / 4) + (threadIdx.x >> 5);
+    g = (threadIdx.x >> 3) & 3;
+    ngroups = 4;
+  } else {
+    // b < 2^31 (a block index): a 32-bit division (a 64-bit one is a call on the small-T critical path)
+    const uint32_t ub = static_cast<uint32_t>(b), uc = static_cast<uint32_t>(chunks);
+    t = ub / uc;
+    h_begin = static_cast<int>(ub % uc) * chunk_heads;
+    h_end = h_begin + chunk_heads < h_end ? h_begin + chunk_heads : h_end;
+    g = threadIdx.x >> 3;
+    ngroups = kGroups;
+  }
+#if defined(__HIP__)
+  if (t < a.T) q_heads<Row, 0>(a, t, h_begin, h_end, g, ngroups, smem);
+#else
+  if (t < a.T) q_heads<Row, kGroups>(a, t, h_begin, h_end, g, ngroups, smem);
+#endif
 }
 
 #if !defined(__HIP__)

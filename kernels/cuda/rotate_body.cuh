@@ -158,16 +158,7 @@ V4_FN void store_words(uint8_t* p, const uint32_t (&w)[N], bool vec) {
 // ---- SPEC §5 Hadamard over the row (Sylvester order, strides ascending), then times fl(D^-0.5) --------------------
 template <int D, int V>
 V4_FN void hadamard_row(float (&x)[V], int lane) {
-  V4_UNROLL
-  for (int h = 1; h < V; h <<= 1) {
-    V4_UNROLL
-    for (int e = 0; e < V; ++e) {
-      if (e & h) continue;
-      const float a = x[e], b = x[e + h];
-      x[e] = fadd(a, b);
-      x[e + h] = fsub(a, b);
-    }
-  }
+  hadamard_butterflies<V>(x);   // strides below V: inside the lane
   // Stride V*2^r: the exchange with lane ^ 2^r (header comment). Before it the top value bit (slot V/2) is
   // element bit log2(V) - 1 + r, after it the stage's bit; the traded bit moves into lane bit r.
   V4_UNROLL

@@ -147,24 +147,27 @@ def auto_of(op: str, tokens: int, variant: str | None = None) -> str | None:
 
 
 def cases(T: int, H: int):
-    """(label, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int)."""
+    """(label, op name, public fn, make(seed) -> kwargs, bytes(kwargs) -> int, variant: preference.variant of the
+    call)."""
+    idx = "indexer_qk_rope_quant_and_cache"
+
     def idx_bytes(a):
         T_, H_ = a["q"].shape[:2]
         out = _nbytes(a["q_out"]) + _nbytes(a["weights_out"]) + _nbytes(a.get("q_scale_out"))
         row = 132 if a.get("q_scale_out") is None else 68
         return _nbytes(a["q"]) + _nbytes(a["k"]) + _nbytes(a["weights"]) + 16 * T_ + out + row * T_
 
-    yield ("indexer FP8", "indexer_qk_rope_quant_and_cache", ops.indexer_qk_rope_quant_and_cache,
-           lambda s: tt.make_indexer(T=T, H=H, mode="fp8", device="cuda", seed=s, extra_pages=0), idx_bytes)
-    yield ("indexer FP4", "indexer_qk_rope_quant_and_cache", ops.indexer_qk_rope_quant_and_cache,
-           lambda s: tt.make_indexer(T=T, H=H, mode="fp4", device="cuda", seed=s, extra_pages=0), idx_bytes)
+    for mode in ("fp8", "fp4"):
+        yield (f"indexer {mode.upper()}", idx, ops.indexer_qk_rope_quant_and_cache,
+               lambda s, mode=mode: tt.make_indexer(T=T, H=H, mode=mode, device="cuda", seed=s, extra_pages=0),
+               idx_bytes, preference.variant(idx, out_format=mode))
     yield ("k pack store (v41)", "index_k_norm_rope_pack_store", ops.index_k_norm_rope_pack_store,
-           lambda s: tt.make_k_store(T=T, device="cuda", seed=s), lambda a: _nbytes(a["k"]) + 16 * T + 68 * T)
+           lambda s: tt.make_k_store(T=T, device="cuda", seed=s), lambda a: _nbytes(a["k"]) + 16 * T + 68 * T, None)
     yield ("q pack weights (v41)", "index_q_rope_pack_weights", ops.index_q_rope_pack_weights,
            lambda s: tt.make_q_pack(T=T, H=H, device="cuda", seed=s),
-           lambda a: _nbytes(a["q"]) + _nbytes(a["head_weights"]) + 8 * T + (64 + 4 + 4) * T * H)
+           lambda a: _nbytes(a["q"]) + _nbytes(a["head_weights"]) + 8 * T + (64 + 4 + 4) * T * H, None)
     yield ("V4 k writer (aiter)", "rmsnorm_rope_rotate_fp4quant_kvcache", ops.rmsnorm_rope_rotate_fp4quant_kvcache,
-           lambda s: tt.make_v4_k(T=T, device="cuda", seed=s), lambda a: _nbytes(a["kv"]) + 16 * T + 68 * T)
+           lambda s: tt.make_v4_k(T=T, device="cuda", seed=s), lambda a: _nbytes(a["kv"]) + 16 * T + 68 * T, None)
 
 
 def compress_bytes(a, starts, lens) -> int:
@@ -250,9 +253,8 @@ def run(tokens=(1, 64, 1024, 8192, 32768), heads=64, backends=None, graph_calls=
                              auto=auto))
 
     for T in tokens:
-        for label, op, fn, make, nbytes in cases(T, heads):
-            mode = label.split()[-1].lower() if op == "indexer_qk_rope_quant_and_cache" else None   # "fp8" / "fp4"
-            bench_case(label, T, op, fn, make, nbytes, heads, preference.variant(op, out_format=mode))
+        for label, op, fn, make, nbytes, variant in cases(T, heads):
+            bench_case(label, T, op, fn, make, nbytes, heads, variant)
     for label, T, op, fn, make, nbytes, variant in (v4_cases(tokens) if v4 else ()):
         bench_case(label, T, op, fn, make, nbytes, heads if op == "rope_rotate_quant" else None, variant)
     from .bench_topk import topk_rows

@@ -36,6 +36,14 @@
 #define DSQ_HIP_DEVICE 1
 #endif
 
+// Full unrolling of a loop with constant bounds in device code (its array indices then become registers); host
+// passes keep the loop.
+#if defined(DSQ_CUDA_DEVICE) || defined(DSQ_HIP_DEVICE)
+#define DSQ_UNROLL _Pragma("unroll")
+#else
+#define DSQ_UNROLL
+#endif
+
 #if defined(__clang__)
 #define DSQ_NO_CONTRACT _Pragma("clang fp contract(off)")
 #else

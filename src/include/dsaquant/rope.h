@@ -75,18 +75,30 @@ DSQ_HD float hadamard_scale(int n) {
   return (k & 1) ? u2f((static_cast<uint32_t>(127 - (k + 1) / 2) << 23) | 0x3504F3u) : pow2(127 - k / 2);
 }
 
-// SPEC §5: for h = 1, 2, ..., N/2, each pair (i, i+h) with bit h of i clear becomes (a+b, a-b);
-// then every element is multiplied by fl(N^-0.5). In place on fp32[N] (N = 128 for the indexer).
+// SPEC §5's butterflies on fp32[N]: for h = 1, 2, ..., N/2, each pair (i, i+h) with bit h of i clear becomes
+// (a+b, a-b). In place, not scaled. Kernels whose thread holds N consecutive values of a longer row run these, then
+// the larger strides across threads.
 template <int N>
-DSQ_HD void hadamard_inplace(float* x) {
-  static_assert(N >= 2 && (N & (N - 1)) == 0, "N must be a power of two");
-  for (int h = 1; h < N; h <<= 1)
+DSQ_HD void hadamard_butterflies(float* x) {
+  static_assert(N >= 1 && (N & (N - 1)) == 0, "N must be a power of two");
+  DSQ_UNROLL
+  for (int h = 1; h < N; h <<= 1) {
+    DSQ_UNROLL
     for (int i = 0; i < N; ++i)
       if ((i & h) == 0) {
         const float a = x[i], b = x[i + h];
         x[i] = fadd(a, b);
         x[i + h] = fsub(a, b);
       }
+  }
+}
+
+// SPEC §5: the butterflies, then every element multiplied by fl(N^-0.5). In place on fp32[N] (N = 128 for the
+// indexer).
+template <int N>
+DSQ_HD void hadamard_inplace(float* x) {
+  static_assert(N >= 2 && (N & (N - 1)) == 0, "N must be a power of two");
+  hadamard_butterflies<N>(x);
   const float c = hadamard_scale(N);
   for (int i = 0; i < N; ++i) x[i] = fmul(x[i], c);
 }
