@@ -72,6 +72,8 @@ REVIEWED_RENAMES = {
     "cudaStreamIsCapturing": "hipStreamIsCapturing",
     "cudaFuncSetAttribute": "hipFuncSetAttribute",
     "cudaFuncAttributePreferredSharedMemoryCarveout": "hipFuncAttributePreferredSharedMemoryCarveout",
+    "cudaFuncAttributeMaxDynamicSharedMemorySize": "hipFuncAttributeMaxDynamicSharedMemorySize",   # same meaning
+    "cudaMemsetAsync": "hipMemsetAsync",   # (dst, value, bytes, stream): same order and meaning
     # kernels/cuda/selfcheck.cu dsq_kernel_code_query (dsq_kernel_code): the attributes of a kernel on the current
     # device; on AMD its ptxVersion/binaryVersion are the HIP runtime's, and dsaquant.info reads them only on NVIDIA.
     "cudaFuncAttributes": "hipFuncAttributes",
@@ -260,12 +262,17 @@ def test_no_scratch_spills_or_calls(rows):
     # CompressSmem: the pooled row passes from the block's pool to warp 0's finish through 2 KB of LDS) and
     # the indexer (kernels/cuda/indexer.cu: a k block shares the 256 norm weights and biases through 1 KB;
     # the q rows' cp.async ring is NVIDIA-only).
-    # the top-k selection (kernels/cuda/topk.cu) sorts up to 4096 64-bit words and counts 4 histograms of 256
-    # bins in LDS; rope_rotate_quant (kernels/cuda/rotate_body.cuh RotateSmem) shares its block's RoPE table, 2 KB.
-    lds_cap = {"compress_kv": 2048, "indexer": 1024, "topk": 40960, "rope_rotate": 2048}
+    # the top-k selection (kernels/cuda/topk.cu) counts a 4096-bin histogram in static LDS (16 KB); its sorting
+    # kernels take their buffer (4096 64-bit words and 4 histograms of 256 bins) as dynamic LDS, which the ISA
+    # does not count; rope_rotate_quant (kernels/cuda/rotate_body.cuh RotateSmem) shares its block's RoPE table, 2 KB.
+    lds_cap = {"compress_kv": 2048, "indexer": 1024, "topk": 16384 + 1024, "rope_rotate": 2048}
+    dynamic = ("topk_row_kernel", "topk_finish_kernel")
     for r in rows:
         cap = next((v for k, v in lds_cap.items() if r["label"].startswith(k)), 0)
-        assert (0 < r["lds"] <= cap) if cap else r["lds"] == 0, (r["label"], r["lds"])
+        if r["label"].startswith(dynamic):
+            assert r["lds"] == 0, (r["label"], r["lds"])
+        else:
+            assert (0 < r["lds"] <= cap) if cap else r["lds"] == 0, (r["label"], r["lds"])
 
 
 @needs_toolchain

@@ -55,7 +55,7 @@ def test_make_args_fills_every_field():
     assert (a.rows, a.L, a.row_stride, a.k, a.form, a.logits_dtype, a.index_dtype, a.relative, a.chunks) == \
         (6, 90, 100, 8, topk_abi.PREFILL, 0, 4, 1, 3)
     assert a.logits == x.data_ptr() and a.out == out.data_ptr() and a.context_lens is None
-    assert a.workspace_bytes == 2 * 4 * 6 * 3 * 8
+    assert a.workspace_bytes == 6 * (4098 * 4 + (8 + 8192) * 8)   # histogram + counters, above and bin lists
     c = torch.ones(3, 2, dtype=torch.int32)
     a = topk_abi.make_args(x.to(torch.bfloat16), 8, c, 2, None, None, False, out)
     assert (a.form, a.logits_dtype, a.index_dtype, a.next_n, a.ks, a.workspace_bytes) == \

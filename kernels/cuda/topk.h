@@ -22,7 +22,7 @@ typedef struct DsqTopkArgs {
   const void* ks;            /* prefill: [rows], dtype `index_dtype`; else NULL */
   const void* ke;            /* prefill: [rows]; else NULL */
   int32_t* out;              /* [rows, k], contiguous */
-  void* workspace;           /* scratch of the two-stage form (dsq_topk_workspace_bytes); may be NULL */
+  void* workspace;           /* scratch of the few-long-rows path (dsq_topk_workspace_bytes); may be NULL */
   int64_t workspace_bytes;   /* bytes at `workspace` */
   int64_t rows;
   int64_t L;                 /* positions per row, < 2^31 */
@@ -33,19 +33,21 @@ typedef struct DsqTopkArgs {
   int32_t logits_dtype;
   int32_t index_dtype;       /* 3 int32, 4 int64 */
   int32_t relative;          /* nonzero: positions minus the row's clamped start */
-  int32_t chunks;            /* blocks per row: <= 1 one stage; > 1 two stages (dsq_topk_plan_chunks) */
+  int32_t chunks;            /* blocks per row: <= 1 one block a row; > 1 the few-long-rows path
+                                (histogram, scatter, finish; dsq_topk_plan_chunks), at most 1024 */
 } DsqTopkArgs;
 
 /* Launches the selection on `stream` (a cudaStream_t). Returns a cudaError_t code: cudaSuccess (0), or
  * cudaErrorInvalidValue (1) for bad arguments (codes, sizes, min(k, L) > DSQ_TOPK_MAX_SORT), checked before
- * anything is launched. A two-stage plan whose workspace does not fit runs as one stage instead. */
+ * anything is launched. A few-long-rows plan whose workspace does not fit runs one block a row instead. */
 int dsq_topk_indices(const DsqTopkArgs* a, void* stream);
 
-/* Bytes of workspace the two-stage form with `chunks` blocks per row needs (0 for chunks <= 1). */
+/* Bytes of workspace the few-long-rows path needs (0 for chunks <= 1): per row a 4096-bin int histogram, two
+ * int counters, then k + 8192 8-byte words. It is cleared by the call itself (an async memset on `stream`). */
 int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunks);
 
 /* Blocks per row for a device with `sms` multiprocessors: 1 unless the rows are fewer than the SMs and at least
- * 8k long; then as many as keep every block in one wave, at most 8, and chunks of at least 4k. Host only. */
+ * 8k long; then about four blocks per SM in all, at least 4096 keys a block and at least 2. Host only. */
 int32_t dsq_topk_plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms);
 
 #ifdef __cplusplus

@@ -16,7 +16,9 @@ from ..reference.topk import DECODE_1D, DECODE_2D, PREFILL, span_form  # noqa: F
 DTYPE = {torch.float32: int(DType.f32), torch.bfloat16: int(DType.bf16), torch.float16: int(DType.f16),
          torch.int32: int(DType.i32), torch.int64: int(DType.i64)}
 MAX_SORT = 4096   # DSQ_TOPK_MAX_SORT
-MAX_CHUNKS = 8    # kMaxChunks of kernels/cuda/topk.cu
+MAX_CHUNKS = 1024   # kMaxChunks of kernels/cuda/topk.cu
+DIGITS = 4096       # kDigits: the first-digit histogram of the few-long-rows path
+BIN_CAP = 8192      # kBinCap: workspace slots of a row's threshold-bin list
 
 
 class DsqTopkArgs(ctypes.Structure):
@@ -45,20 +47,19 @@ def workspace_bytes(rows: int, L: int, k: int, chunks: int) -> int:
     """Mirror of dsq_topk_workspace_bytes."""
     if chunks <= 1 or rows <= 0 or L <= 0 or k <= 0:
         return 0
-    chunk_len = -(-L // chunks)
-    return 2 * 4 * rows * chunks * min(k, chunk_len)
+    return rows * ((DIGITS + 2) * 4 + (k + BIN_CAP) * 8)
 
 
 def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
     """Mirror of dsq_topk_plan_chunks."""
     if rows <= 0 or rows >= sms or k <= 0 or L < 8 * k:
         return 1
-    return max(1, min(sms // rows, MAX_CHUNKS, L // (4 * k)))
+    return max(2, min(-(-4 * sms // rows), L // 4096, MAX_CHUNKS))
 
 
 def make_args(logits, k, context_lens, next_n, ks, ke, relative, out, workspace=None, chunks=0) -> DsqTopkArgs:
     """DsqTopkArgs for one call (arguments as dsaquant.topk_indices validated them; index tensors contiguous).
-    `workspace`: a byte tensor for the two-stage form, or None; `chunks`: blocks per row (plan_chunks; <= 1 one
+    `workspace`: a byte tensor for the few-long-rows path, or None; `chunks`: blocks per row (plan_chunks; <= 1 one
     stage)."""
     idx = context_lens if context_lens is not None else ks
     ptr = (lambda t: t.data_ptr() if t is not None else None)

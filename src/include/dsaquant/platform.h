@@ -38,10 +38,15 @@
 
 // Full unrolling of a loop with constant bounds in device code (its array indices then become registers); host
 // passes keep the loop.
+// DSQ_UNROLL_N(n): unroll by n (several independent loads in flight per thread).
+#define DSQ_STRINGIFY_(x) #x
+#define DSQ_STRINGIFY(x) DSQ_STRINGIFY_(x)
 #if defined(DSQ_CUDA_DEVICE) || defined(DSQ_HIP_DEVICE)
 #define DSQ_UNROLL _Pragma("unroll")
+#define DSQ_UNROLL_N(n) _Pragma(DSQ_STRINGIFY(unroll n))
 #else
 #define DSQ_UNROLL
+#define DSQ_UNROLL_N(n)
 #endif
 
 #if defined(__clang__)

@@ -1,0 +1,510 @@
+// kernels/cuda/topk_body.cuh: the top-k selection's block bodies (docs/topk.md), shared by the GPU kernels
+// (kernels/cuda/topk.cu, hipified for AMD) and the host emulator of the tests (tests/cpp/topk_host.cpp), which
+// runs them unchanged on the CPU.
+//
+// The includer supplies, in namespace dsqtopk, the SIMT layer: TOPK_FN (the qualifiers of a device function),
+// thread_id(), block_sync(), shfl_up_i / shfl_up_u64 (32-lane groups: lane l gets lane l - off's value, its own
+// for l < off), shared_add (an atomic add to shared memory) and global_add (an atomic add to global memory that
+// returns the old value); the platform is DSQ_TOPK_AMD (1: 256-thread blocks and a 4096-word sort buffer).
+//
+// Keys: each value becomes the order key, a uint32 that compares like the float (-0.0 taken as +0.0), 0 for NaN,
+// -inf and positions outside the row's span. A selected element is the word (key << 32 | ~position): words are
+// unique and compare in the selection order (value descending, position ascending).
+//
+// One block a row (`chunks` <= 1), row_block:
+//   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
+//     of the keys matching the digits fixed so far (4 copies, each shared by a quarter of the warps), then a scan
+//     over the 256 bins finds the digit where the count of larger keys reaches the number still wanted. The
+//     passes stop early when that number equals the whole bucket; if the first pass counts at most k
+//     candidates, all are taken.
+//   * Compaction: tiles of 4 consecutive keys per thread, in position order; a block scan of the per-thread
+//     counts of keys above the threshold and keys equal to it places the taken ones (equal keys: the first
+//     `want` in position order) at deterministic slots.
+//   * Sort: the taken words are bitonic-sorted descending in shared memory; empty slots (0) become -1.
+//
+// Few long rows (`chunks` > 1): every row is read by `chunks` blocks, twice, and finished by one block:
+//   1. hist_block: each block counts the top 12 bits of its keys (4096 bins) in shared memory and adds the
+//      non-zero bins to the row's histogram in the workspace;
+//   2. scatter_block: each block scans the row's histogram from the top for the threshold bin b, the bin where
+//      the count of keys in higher bins reaches k (none when the row has at most k candidates: all are taken),
+//      and appends the words of its keys above bin b to the row's "above" list (fewer than k) and those in bin b
+//      to its "bin" list, each tile's slots reserved with one atomic add;
+//   3. finish_block: one block per row sorts both lists together (their sum is at most kSortWords) and writes
+//      the first k, or, when bin b holds more than fits (a row of massive ties), runs the one-block selection on
+//      the row instead. The lists' order depends on the atomics, their contents and the sorted result do not.
+#pragma once
+
+#include <cstdint>
+
+#include "dsaquant/arith.h"
+#include "topk.h"
+
+#ifndef DSQ_TOPK_AMD
+#define DSQ_TOPK_AMD 0
+#endif
+
+namespace dsqtopk {
+
+#if DSQ_TOPK_AMD
+constexpr int kThreads = 256;                  // AMD: the project's block size (four wave64 waves)
+constexpr int kSortWords = 4096;               // 32 KB of LDS for the sort buffer
+#else
+constexpr int kThreads = 1024;
+constexpr int kSortWords = 8192;               // 64 KB of dynamic shared memory for the sort buffer
+#endif
+constexpr int kWarps = kThreads / 32;           // 32-lane groups (explicit shuffle width: wave64 too)
+constexpr int kItems = 4;                      // consecutive keys per thread in the compaction
+constexpr int kTile = kThreads * kItems;
+constexpr int kBins = 256;
+constexpr int kCopies = 4;                     // histogram copies, summed before the scan
+constexpr int kMaxChunks = 1024;
+constexpr int kBinCap = 8192;                  // workspace slots of a row's bin list (both platforms)
+constexpr int kDigitBits = 12;                 // first-digit histogram of the few-long-rows path
+constexpr int kDigits = 1 << kDigitBits;
+constexpr int kDigitShift = 32 - kDigitBits;
+constexpr int kDigitsPerThread = kDigits / kThreads;
+static_assert(kSortWords >= DSQ_TOPK_MAX_SORT && kBinCap >= kSortWords, "sort buffer sizes");
+
+TOPK_FN uint32_t order_key_bits(uint32_t b) {
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u || b == 0xFF800000u) return 0u;   // NaN, -inf
+  if (mag == 0u) b = 0u;                                 // -0.0 -> +0.0
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+template <int DT>
+TOPK_FN uint32_t load_key(const void* row, int64_t p) {
+  if (DT == 0) return order_key_bits(dsq::f2u(static_cast<const float*>(row)[p]));
+  const uint16_t h = static_cast<const uint16_t*>(row)[p];
+  if (DT == 1) return order_key_bits(static_cast<uint32_t>(h) << 16);   // bf16 -> fp32 exactly
+  return order_key_bits(dsq::f2u(dsq::fp16_to_f32(h)));
+}
+
+TOPK_FN unsigned long long word_of(uint32_t key, int64_t pos) {
+  return (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(pos));
+}
+
+TOPK_FN int64_t load_index(const void* p, int64_t i, int dt) {
+  return dt == 4 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// (start, end) of a row, clamped: 0 <= start <= end <= L (reference.topk.row_spans).
+TOPK_FN void row_span(const DsqTopkArgs& a, int64_t row, int64_t& start, int64_t& end) {
+  if (a.form == DSQ_TOPK_DECODE_1D) {
+    const int64_t b = row / a.next_n;
+    start = 0;
+    end = load_index(a.context_lens, b, a.index_dtype) - a.next_n + (row - b * a.next_n) + 1;
+  } else if (a.form == DSQ_TOPK_DECODE_2D) {
+    start = 0;
+    end = load_index(a.context_lens, row, a.index_dtype);
+  } else {
+    start = load_index(a.ks, row, a.index_dtype);
+    end = load_index(a.ke, row, a.index_dtype);
+  }
+  start = start < 0 ? 0 : (start > a.L ? a.L : start);
+  end = end < 0 ? 0 : (end > a.L ? a.L : end);
+  if (end < start) end = start;
+}
+
+TOPK_FN const void* row_ptr(const DsqTopkArgs& a, int64_t row) {
+  return static_cast<const char*>(a.logits) + row * a.row_stride * (a.logits_dtype == 0 ? 4 : 2);
+}
+
+// The workspace of the few-long-rows path (workspace_bytes): per row a histogram of kDigits ints and two
+// counters (above, bin), then the above lists (k words a row) and the bin lists (kBinCap words a row).
+struct Workspace {
+  int* hist;
+  int* counts;
+  unsigned long long* above;
+  unsigned long long* bins;
+};
+
+TOPK_FN Workspace workspace_of(void* base, int64_t rows, int64_t k) {
+  Workspace w;
+  w.hist = static_cast<int*>(base);
+  w.counts = w.hist + rows * kDigits;
+  w.above = reinterpret_cast<unsigned long long*>(w.counts + rows * 2);
+  w.bins = w.above + rows * k;
+  return w;
+}
+
+struct ScanShared {
+  unsigned long long warp_sums[kWarps];
+  int warp_ints[kWarps];
+};
+
+// Shared memory of row_block and finish_block.
+struct Shared {
+  unsigned long long sort[kSortWords];
+  int hist[kCopies][kBins];   // warp w counts into copy w % kCopies (fewer warps contend per address)
+  ScanShared scan;
+  int digit, above, in_bucket, total;
+};
+
+// Shared memory of hist_block and scatter_block.
+struct ChunkShared {
+  int hist[kDigits];
+  ScanShared scan;
+  int digit;
+  int base[2];
+};
+
+// Inclusive scan of one int per thread over the first 256 threads (others pass 0); every thread calls it.
+TOPK_FN int scan256(int v, ScanShared& sh) {
+  const int lane = thread_id() & 31, warp = thread_id() >> 5;
+  DSQ_UNROLL
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = shfl_up_i(v, off);
+    if (lane >= off) v += t;
+  }
+  if (lane == 31 && warp < kBins / 32) sh.warp_ints[warp] = v;
+  block_sync();
+  int before = 0;
+  for (int w = 0; w < warp && w < kBins / 32; ++w) before += sh.warp_ints[w];
+  block_sync();
+  return v + before;
+}
+
+// Exclusive block scan of one 64-bit value per thread; `total` receives the block's sum.
+TOPK_FN unsigned long long scan_block_exclusive(unsigned long long v, ScanShared& sh, unsigned long long& total) {
+  const int lane = thread_id() & 31, warp = thread_id() >> 5;
+  unsigned long long x = v;
+  DSQ_UNROLL
+  for (int off = 1; off < 32; off <<= 1) {
+    const unsigned long long t = shfl_up_u64(x, off);
+    if (lane >= off) x += t;
+  }
+  if (lane == 31) sh.warp_sums[warp] = x;
+  block_sync();
+  if (warp == 0) {
+    unsigned long long w = lane < kWarps ? sh.warp_sums[lane] : 0ull;
+    DSQ_UNROLL
+    for (int off = 1; off < 32; off <<= 1) {
+      const unsigned long long t = shfl_up_u64(w, off);
+      if (lane >= off) w += t;
+    }
+    if (lane < kWarps) sh.warp_sums[lane] = w;   // inclusive over warps
+  }
+  block_sync();
+  const unsigned long long before = warp ? sh.warp_sums[warp - 1] : 0ull;
+  total = sh.warp_sums[kWarps - 1];
+  block_sync();
+  return before + x - v;
+}
+
+// The one-block selection of the keys at [start, start + n) of `row`: the min(k, candidates) largest words,
+// unordered, into sh.sort[0, taken); returns taken.
+template <int DT>
+TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_t k_arg, Shared& sh) {
+  const int tid = thread_id();
+  const int32_t k = static_cast<int32_t>(k_arg < n ? k_arg : n);   // wanted from this segment
+
+  // ---- threshold
+  uint32_t prefix = 0u;
+  int lvl = 0;               // prefix 0 at level 0: every candidate is above it
+  int want = k;
+  for (int p = 0; p < 4; ++p) {
+    const int shift = 24 - 8 * p;
+    for (int b = tid; b < kCopies * kBins; b += kThreads) sh.hist[b / kBins][b % kBins] = 0;
+    block_sync();
+    DSQ_UNROLL_N(4)
+    for (int32_t i = tid; i < n; i += kThreads) {   // unrolled: several loads in flight per thread
+      const uint32_t key = load_key<DT>(row, start + i);
+      const bool match = key != 0u && (p == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)));
+      if (match) shared_add(&sh.hist[(tid >> 5) & (kCopies - 1)][(key >> shift) & 0xFFu], 1);
+    }
+    block_sync();
+    // thread t < 256 holds bin 255 - t: the inclusive scan is the count of keys with a digit >= that bin
+    int h = 0;
+    if (tid < kBins)
+      for (int c = 0; c < kCopies; ++c) h += sh.hist[c][kBins - 1 - tid];
+    const int ge = scan256(h, sh.scan);
+    if (tid < kBins && ge >= want && ge - h < want) {
+      sh.digit = kBins - 1 - tid;
+      sh.above = ge - h;
+      sh.in_bucket = h;
+    }
+    if (tid == kBins - 1) sh.total = ge;
+    block_sync();
+    const int total = sh.total;
+    if (p == 0 && total <= k_arg) break;         // at most k candidates: take them all
+    prefix |= static_cast<uint32_t>(sh.digit) << shift;
+    lvl = shift;
+    want -= sh.above;
+    const bool whole_bucket = want == sh.in_bucket;
+    block_sync();                                 // sh.digit etc. are rewritten by the next pass
+    if (whole_bucket) break;
+  }
+
+  // ---- compaction in position order
+  const uint32_t t_hi = prefix >> lvl;
+  int taken = 0, eq_seen = 0;
+  for (int32_t base = 0; base < n; base += kTile) {
+    uint32_t keys[kItems];
+    unsigned flags = 0u;    // bit j: above; bit 8 + j: equal
+    int ngt = 0, neq = 0;
+    DSQ_UNROLL
+    for (int j = 0; j < kItems; ++j) {
+      const int32_t i = base + tid * kItems + j;
+      keys[j] = i < n ? load_key<DT>(row, start + i) : 0u;
+      const uint32_t hi = keys[j] >> lvl;
+      const bool gt = keys[j] != 0u && hi > t_hi;
+      const bool eq = keys[j] != 0u && hi == t_hi;
+      flags |= (gt ? 1u : 0u) << j;
+      flags |= (eq ? 1u : 0u) << (8 + j);
+      ngt += gt;
+      neq += eq;
+    }
+    unsigned long long tile_total;
+    const unsigned long long ex = scan_block_exclusive(
+        (static_cast<unsigned long long>(neq) << 32) | static_cast<unsigned>(ngt), sh.scan, tile_total);
+    int gt_before = static_cast<int>(ex & 0xFFFFFFFFull);
+    int eq_before = static_cast<int>(ex >> 32);
+    const int eq_room = want - eq_seen > 0 ? want - eq_seen : 0;   // equal keys still to take
+    DSQ_UNROLL
+    for (int j = 0; j < kItems; ++j) {
+      const bool gt = (flags >> j) & 1u, eq = (flags >> (8 + j)) & 1u;
+      if (gt || (eq && eq_before < eq_room)) {
+        const int slot = taken + gt_before + (eq_before < eq_room ? eq_before : eq_room);
+        sh.sort[slot] = word_of(keys[j], start + base + tid * kItems + j);
+      }
+      gt_before += gt;
+      eq_before += eq;
+    }
+    const int tile_gt = static_cast<int>(tile_total & 0xFFFFFFFFull);
+    const int tile_eq = static_cast<int>(tile_total >> 32);
+    taken += tile_gt + (tile_eq < eq_room ? tile_eq : eq_room);
+    eq_seen += tile_eq;
+  }
+  return taken;
+}
+
+// Sorts sh.sort[0, count) descending (padded with 0 to a power of two) and writes the row's k outputs: the
+// positions of the first min(k, count) words (minus `rel`), then -1.
+TOPK_FN void sort_and_write(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t count, Shared& sh) {
+  const int tid = thread_id();
+  int32_t n_pad = 1;
+  while (n_pad < count) n_pad <<= 1;
+  for (int32_t j = count + tid; j < n_pad; j += kThreads) sh.sort[j] = 0ull;
+  for (int size = 2; size <= n_pad; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      block_sync();
+      for (int i = tid; i < n_pad / 2; i += kThreads) {
+        const int lo = 2 * stride * (i / stride) + (i % stride);
+        const int hi = lo + stride;
+        const bool desc = (lo & size) == 0;
+        const unsigned long long x = sh.sort[lo], y = sh.sort[hi];
+        if ((x < y) == desc) {
+          sh.sort[lo] = y;
+          sh.sort[hi] = x;
+        }
+      }
+    }
+  }
+  block_sync();
+  int32_t* const out = a.out + row * a.k;
+  for (int64_t j = tid; j < a.k; j += kThreads) {
+    int32_t v = -1;
+    if (j < n_pad) {
+      const unsigned long long w = sh.sort[j];
+      if (w >> 32) v = static_cast<int32_t>(~static_cast<uint32_t>(w)) - rel;
+    }
+    out[j] = v;
+  }
+}
+
+// One block a row: block `row`.
+template <int DT>
+TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
+  int64_t start, end;
+  row_span(a, row, start, end);
+  const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
+  sort_and_write(a, row, a.relative ? static_cast<int32_t>(start) : 0, taken, sh);
+}
+
+// Block `bid` of the rows x chunks grid: row bid / chunks, its share [lo, hi) of the row's span.
+TOPK_FN void chunk_range(const DsqTopkArgs& a, int32_t chunks, int64_t bid, int64_t& row, int64_t& lo,
+                         int64_t& hi) {
+  row = bid / chunks;
+  const int64_t c = bid - row * chunks;
+  int64_t start, end;
+  row_span(a, row, start, end);
+  const int64_t per = (end - start + chunks - 1) / chunks;
+  lo = start + c * per;
+  hi = lo + per < end ? lo + per : end;
+  if (lo > hi) lo = hi;
+}
+
+// Few long rows, step 1: the row's histogram of the top kDigitBits of its keys.
+template <int DT>
+TOPK_FN void hist_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, ChunkShared& sh) {
+  int64_t row, lo, hi;
+  chunk_range(a, chunks, bid, row, lo, hi);
+  const Workspace w = workspace_of(a.workspace, a.rows, a.k);
+  for (int b = thread_id(); b < kDigits; b += kThreads) sh.hist[b] = 0;
+  block_sync();
+  const void* const src = row_ptr(a, row);
+  DSQ_UNROLL_N(8)
+  for (int64_t p = lo + thread_id(); p < hi; p += kThreads) {
+    const uint32_t key = load_key<DT>(src, p);
+    if (key) shared_add(&sh.hist[key >> kDigitShift], 1);
+  }
+  block_sync();
+  int* const dst = w.hist + row * kDigits;
+  for (int b = thread_id(); b < kDigits; b += kThreads) {
+    const int h = sh.hist[b];
+    if (h) global_add(&dst[b], h);
+  }
+}
+
+// Few long rows, step 2: the threshold bin from the row's histogram, then this block's keys above it and in it
+// appended to the row's lists.
+template <int DT>
+TOPK_FN void scatter_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, ChunkShared& sh) {
+  const int tid = thread_id();
+  int64_t row, lo, hi;
+  chunk_range(a, chunks, bid, row, lo, hi);
+  const Workspace w = workspace_of(a.workspace, a.rows, a.k);
+
+  // thread t holds bins kDigits - 1 - (t * kDigitsPerThread + j), j = 0.., from the top
+  const int* const h = w.hist + row * kDigits;
+  int v[kDigitsPerThread];
+  int sum = 0;
+  DSQ_UNROLL
+  for (int j = 0; j < kDigitsPerThread; ++j) {
+    v[j] = h[kDigits - 1 - (tid * kDigitsPerThread + j)];
+    sum += v[j];
+  }
+  unsigned long long total;
+  int above = static_cast<int>(scan_block_exclusive(static_cast<unsigned long long>(sum), sh.scan, total));
+  if (tid == 0) sh.digit = -1;                // at most k candidates: every key is above "bin -1"
+  block_sync();
+  if (total > static_cast<unsigned long long>(a.k)) {
+    DSQ_UNROLL
+    for (int j = 0; j < kDigitsPerThread; ++j) {
+      if (above < a.k && above + v[j] >= a.k) sh.digit = kDigits - 1 - (tid * kDigitsPerThread + j);
+      above += v[j];
+    }
+  }
+  block_sync();
+  const int digit = sh.digit;
+
+  const void* const src = row_ptr(a, row);
+  unsigned long long* const above_list = w.above + row * a.k;
+  unsigned long long* const bin_list = w.bins + row * kBinCap;
+  for (int64_t base = lo; base < hi; base += kTile) {
+    uint32_t keys[kItems];
+    unsigned flags = 0u;    // bit j: above; bit 8 + j: in the threshold bin
+    int ngt = 0, neq = 0;
+    DSQ_UNROLL
+    for (int j = 0; j < kItems; ++j) {
+      const int64_t p = base + tid * kItems + j;
+      keys[j] = p < hi ? load_key<DT>(src, p) : 0u;
+      const int d = static_cast<int>(keys[j] >> kDigitShift);
+      const bool gt = keys[j] != 0u && d > digit;
+      const bool eq = keys[j] != 0u && d == digit;
+      flags |= (gt ? 1u : 0u) << j;
+      flags |= (eq ? 1u : 0u) << (8 + j);
+      ngt += gt;
+      neq += eq;
+    }
+    unsigned long long tile_total;
+    const unsigned long long ex = scan_block_exclusive(
+        (static_cast<unsigned long long>(neq) << 32) | static_cast<unsigned>(ngt), sh.scan, tile_total);
+    if (tid == 0) {
+      const int tile_gt = static_cast<int>(tile_total & 0xFFFFFFFFull), tile_eq = static_cast<int>(tile_total >> 32);
+      sh.base[0] = tile_gt ? global_add(&w.counts[row * 2], tile_gt) : 0;
+      sh.base[1] = tile_eq ? global_add(&w.counts[row * 2 + 1], tile_eq) : 0;
+    }
+    block_sync();
+    int gt_slot = sh.base[0] + static_cast<int>(ex & 0xFFFFFFFFull);
+    int eq_slot = sh.base[1] + static_cast<int>(ex >> 32);
+    block_sync();                             // sh.base is rewritten by the next tile
+    DSQ_UNROLL
+    for (int j = 0; j < kItems; ++j) {
+      const unsigned long long word = word_of(keys[j], base + tid * kItems + j);
+      if ((flags >> j) & 1u) above_list[gt_slot++] = word;              // fewer than k a row: always room
+      if ((flags >> (8 + j)) & 1u) {
+        if (eq_slot < kBinCap) bin_list[eq_slot] = word;
+        ++eq_slot;
+      }
+    }
+  }
+}
+
+// Few long rows, step 3: both lists sorted together and the first k written; a threshold bin too full for the
+// sort buffer falls back to the one-block selection of the row.
+template <int DT>
+TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
+  int64_t start, end;
+  row_span(a, row, start, end);
+  const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
+  const Workspace w = workspace_of(a.workspace, a.rows, a.k);
+  const int n_above = w.counts[row * 2], n_bin = w.counts[row * 2 + 1];
+  if (n_above + n_bin <= kSortWords) {
+    const unsigned long long* const above_list = w.above + row * a.k;
+    const unsigned long long* const bin_list = w.bins + row * kBinCap;
+    for (int j = thread_id(); j < n_above; j += kThreads) sh.sort[j] = above_list[j];
+    for (int j = thread_id(); j < n_bin; j += kThreads) sh.sort[n_above + j] = bin_list[j];
+    sort_and_write(a, row, rel, n_above + n_bin, sh);
+  } else {
+    const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
+    sort_and_write(a, row, rel, taken, sh);
+  }
+}
+
+// ---- host side: the plan, the workspace size, the argument check and the order of the launches
+
+inline int32_t plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms) {
+  if (rows <= 0 || rows >= sms || k <= 0 || L < 8 * k) return 1;
+  int64_t c = (4 * static_cast<int64_t>(sms) + rows - 1) / rows;   // about four blocks an SM for steps 1 and 2
+  if (c > L / 4096) c = L / 4096;                                     // at least 4096 keys a block
+  if (c > kMaxChunks) c = kMaxChunks;
+  return static_cast<int32_t>(c < 2 ? 2 : c);
+}
+
+inline int64_t workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunks) {
+  if (chunks <= 1 || rows <= 0 || L <= 0 || k <= 0) return 0;
+  return rows * ((kDigits + 2) * 4 + (k + kBinCap) * 8);
+}
+
+// Runs a call on `dev`, which launches grids of the block bodies: dev.row<DT>(a), dev.memset(p, bytes),
+// dev.hist<DT>(a, chunks), dev.scatter<DT>(a, chunks), dev.finish<DT>(a), each returning 0 or an error code.
+// Returns 1 (cudaErrorInvalidValue) for bad arguments, before anything is launched.
+template <int DT, class Dev>
+int run_dtype(const DsqTopkArgs& a, int32_t chunks, Dev& dev) {
+  if (chunks == 1) return dev.template row<DT>(a);
+  int e = dev.memset(a.workspace, static_cast<size_t>(a.rows) * (kDigits + 2) * sizeof(int));
+  if (e == 0) e = dev.template hist<DT>(a, chunks);
+  if (e == 0) e = dev.template scatter<DT>(a, chunks);
+  if (e == 0) e = dev.template finish<DT>(a);
+  return e;
+}
+
+template <class Dev>
+int run(const DsqTopkArgs* args, Dev& dev) {
+  if (!args) return 1;
+  const DsqTopkArgs& a = *args;
+  if (a.rows < 0 || a.L < 0 || a.L > INT32_MAX || a.k < 1 || a.k > INT32_MAX || !a.out ||
+      a.logits_dtype < 0 || a.logits_dtype > 2 || (a.index_dtype != 3 && a.index_dtype != 4) ||
+      a.form < DSQ_TOPK_DECODE_1D || a.form > DSQ_TOPK_PREFILL || a.next_n < 1 ||
+      (a.rows > 0 && a.L > 0 && !a.logits) || a.row_stride < 0)
+    return 1;
+  if (a.form == DSQ_TOPK_PREFILL ? (!a.ks || !a.ke) : !a.context_lens) return 1;
+  if (a.chunks > kMaxChunks) return 1;
+  if (a.rows == 0) return 0;
+  const int64_t m = a.k < a.L ? a.k : a.L;
+  int32_t k_pad = 1;
+  while (k_pad < m) k_pad <<= 1;
+  if (k_pad > DSQ_TOPK_MAX_SORT) return 1;
+  int32_t chunks = a.chunks > 0 ? a.chunks : 1;
+  if (chunks > 1 && (a.L == 0 || !a.workspace || a.workspace_bytes < workspace_bytes(a.rows, a.L, a.k, chunks)))
+    chunks = 1;
+  switch (a.logits_dtype) {
+    case 0: return run_dtype<0>(a, chunks, dev);
+    case 1: return run_dtype<1>(a, chunks, dev);
+    default: return run_dtype<2>(a, chunks, dev);
+  }
+}
+
+}  // namespace dsqtopk
