@@ -134,6 +134,8 @@ CASES = {
     "k2048-planned": (2, 40000, 2048, "randn", "decode", 1, torch.float32, 0),
     "ties-prefill": (3, 30000, 700, "ties", "prefill", 1, torch.float32, 4),
     "zeros-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, 3),
+    # ~3500 keys a value: lists of 5000-6500 words, the 8192-word sort (AMD: past its 4096, the fallback)
+    "ties-big-sort": (2, 60000, 3000, "ties", "decode", 1, torch.float32, 4),
     "lsb-one-top-bin": (2, 12000, 300, "lsb", "decode", 1, torch.float32, 3),
     "specials-mtp2": (4, 10000, 600, "specials", "decode", 2, torch.float32, 2),
     "decode2d-mtp3": (6, 9000, 256, "specials", "decode2d", 3, torch.float32, 2),

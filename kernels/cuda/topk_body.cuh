@@ -4,7 +4,7 @@
 //
 // The includer supplies, in namespace dsqtopk, the SIMT layer: TOPK_FN (the qualifiers of a device function),
 // thread_id(), block_sync(), shfl_up_i / shfl_up_u64 (32-lane groups: lane l gets lane l - off's value, its own
-// for l < off), shared_add (an atomic add to shared memory) and global_add (an atomic add to global memory that
+// for l < off), shfl_xor_u64 (lane l gets lane l ^ m's value), shared_add (an atomic add to shared memory) and global_add (an atomic add to global memory that
 // returns the old value); the platform is DSQ_TOPK_AMD (1: 256-thread blocks and a 4096-word sort buffer).
 //
 // Keys: each value becomes the order key, a uint32 that compares like the float (-0.0 taken as +0.0), 0 for NaN,
@@ -20,7 +20,8 @@
 //   * Compaction: tiles of 4 consecutive keys per thread, in position order; a block scan of the per-thread
 //     counts of keys above the threshold and keys equal to it places the taken ones (equal keys: the first
 //     `want` in position order) at deterministic slots.
-//   * Sort: the taken words are bitonic-sorted descending in shared memory; empty slots (0) become -1.
+//   * Sort: the taken words are bitonic-sorted descending (sort_desc: registers, warp shuffles and shared
+//     memory); empty slots (0) become -1.
 //
 // Few long rows (`chunks` > 1): every row is read by `chunks` blocks, twice, and finished by one block:
 //   1. hist_block: each block counts the top 12 bits of its keys (4096 bins) in shared memory and adds the
@@ -63,7 +64,10 @@ constexpr int kDigitBits = 12;                 // first-digit histogram of the f
 constexpr int kDigits = 1 << kDigitBits;
 constexpr int kDigitShift = 32 - kDigitBits;
 constexpr int kDigitsPerThread = kDigits / kThreads;
+constexpr int kScatterItems = 8;               // keys a thread holds per scatter tile
+constexpr int kScatterTile = kThreads * kScatterItems;
 static_assert(kSortWords >= DSQ_TOPK_MAX_SORT && kBinCap >= kSortWords, "sort buffer sizes");
+static_assert(kSortWords == kThreads * (DSQ_TOPK_AMD ? 16 : 8), "sort_and_write's register counts");
 
 TOPK_FN uint32_t order_key_bits(uint32_t b) {
   const uint32_t mag = b & 0x7FFFFFFFu;
@@ -279,29 +283,84 @@ TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_
   return taken;
 }
 
-// Sorts sh.sort[0, count) descending (padded with 0 to a power of two) and writes the row's k outputs: the
-// positions of the first min(k, count) words (minus `rel`), then -1.
-TOPK_FN void sort_and_write(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t count, Shared& sh) {
+// Bitonic sort, descending, of sh.sort[0, kThreads * E): thread t holds elements t * E .. t * E + E - 1 in
+// registers; compare-exchange partners closer than E are in the thread, closer than 32 E in its warp (shuffles),
+// farther ones meet in shared memory.
+template <int E>
+TOPK_FN void sort_desc(Shared& sh) {
+  constexpr int32_t n = kThreads * E;
   const int tid = thread_id();
-  int32_t n_pad = 1;
-  while (n_pad < count) n_pad <<= 1;
-  for (int32_t j = count + tid; j < n_pad; j += kThreads) sh.sort[j] = 0ull;
-  for (int size = 2; size <= n_pad; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+  unsigned long long v[E];
+  block_sync();
+  DSQ_UNROLL
+  for (int e = 0; e < E; ++e) v[e] = sh.sort[tid * E + e];
+  for (int32_t size = 2; size <= n; size <<= 1) {
+    int32_t stride = size >> 1;
+    if (stride >= 32 * E) {
+      DSQ_UNROLL
+      for (int e = 0; e < E; ++e) sh.sort[tid * E + e] = v[e];
+      for (; stride >= 32 * E; stride >>= 1) {
+        block_sync();
+        for (int32_t i = tid; i < n / 2; i += kThreads) {
+          const int32_t lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
+          const unsigned long long x = sh.sort[lo], y = sh.sort[hi];
+          if ((x < y) == ((lo & size) == 0)) {
+            sh.sort[lo] = y;
+            sh.sort[hi] = x;
+          }
+        }
+      }
       block_sync();
-      for (int i = tid; i < n_pad / 2; i += kThreads) {
-        const int lo = 2 * stride * (i / stride) + (i % stride);
-        const int hi = lo + stride;
-        const bool desc = (lo & size) == 0;
-        const unsigned long long x = sh.sort[lo], y = sh.sort[hi];
-        if ((x < y) == desc) {
-          sh.sort[lo] = y;
-          sh.sort[hi] = x;
+      DSQ_UNROLL
+      for (int e = 0; e < E; ++e) v[e] = sh.sort[tid * E + e];
+    }
+    for (; stride >= E; stride >>= 1) {
+      DSQ_UNROLL
+      for (int e = 0; e < E; ++e) {
+        const unsigned long long y = shfl_xor_u64(v[e], stride / E);
+        const int32_t i = tid * E + e;
+        const bool keep_larger = ((i & stride) == 0) == ((i & size) == 0);
+        v[e] = keep_larger ? (v[e] > y ? v[e] : y) : (v[e] < y ? v[e] : y);
+      }
+    }
+    DSQ_UNROLL
+    for (int st = E / 2; st >= 1; st >>= 1) {
+      if (st < size) {
+        DSQ_UNROLL
+        for (int e = 0; e < E; ++e) {
+          if (e & st) continue;
+          const unsigned long long x = v[e], y = v[e | st];
+          if ((x < y) == (((tid * E + e) & size) == 0)) {
+            v[e] = y;
+            v[e | st] = x;
+          }
         }
       }
     }
   }
+  DSQ_UNROLL
+  for (int e = 0; e < E; ++e) sh.sort[tid * E + e] = v[e];
   block_sync();
+}
+
+// Sorts sh.sort[0, count) descending (padded with 0 to kThreads times a power of two) and writes the row's k
+// outputs: the positions of the first min(k, count) words (minus `rel`), then -1.
+TOPK_FN void sort_and_write(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t count, Shared& sh) {
+  const int tid = thread_id();
+  int32_t n_pad = kThreads;
+  while (n_pad < count) n_pad <<= 1;
+  for (int32_t j = count + tid; j < n_pad; j += kThreads) sh.sort[j] = 0ull;
+  switch (n_pad / kThreads) {
+    case 1: sort_desc<1>(sh); break;
+    case 2: sort_desc<2>(sh); break;
+    case 4: sort_desc<4>(sh); break;
+    case 8: sort_desc<8>(sh); break;
+#if DSQ_TOPK_AMD
+    default: sort_desc<16>(sh); break;
+#else
+    default: break;   // count <= kSortWords = 8 * kThreads
+#endif
+  }
   int32_t* const out = a.out + row * a.k;
   for (int64_t j = tid; j < a.k; j += kThreads) {
     int32_t v = -1;
@@ -392,19 +451,20 @@ TOPK_FN void scatter_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, Ch
   const void* const src = row_ptr(a, row);
   unsigned long long* const above_list = w.above + row * a.k;
   unsigned long long* const bin_list = w.bins + row * kBinCap;
-  for (int64_t base = lo; base < hi; base += kTile) {
-    uint32_t keys[kItems];
-    unsigned flags = 0u;    // bit j: above; bit 8 + j: in the threshold bin
+  // keys strided over the block (coalesced loads): the lists are unordered, the finish sorts them
+  for (int64_t base = lo; base < hi; base += kScatterTile) {
+    uint32_t keys[kScatterItems];
+    unsigned flags = 0u;    // bit j: above; bit 16 + j: in the threshold bin
     int ngt = 0, neq = 0;
     DSQ_UNROLL
-    for (int j = 0; j < kItems; ++j) {
-      const int64_t p = base + tid * kItems + j;
+    for (int j = 0; j < kScatterItems; ++j) {
+      const int64_t p = base + j * kThreads + tid;
       keys[j] = p < hi ? load_key<DT>(src, p) : 0u;
       const int d = static_cast<int>(keys[j] >> kDigitShift);
       const bool gt = keys[j] != 0u && d > digit;
       const bool eq = keys[j] != 0u && d == digit;
       flags |= (gt ? 1u : 0u) << j;
-      flags |= (eq ? 1u : 0u) << (8 + j);
+      flags |= (eq ? 1u : 0u) << (16 + j);
       ngt += gt;
       neq += eq;
     }
@@ -421,10 +481,10 @@ TOPK_FN void scatter_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, Ch
     int eq_slot = sh.base[1] + static_cast<int>(ex >> 32);
     block_sync();                             // sh.base is rewritten by the next tile
     DSQ_UNROLL
-    for (int j = 0; j < kItems; ++j) {
-      const unsigned long long word = word_of(keys[j], base + tid * kItems + j);
+    for (int j = 0; j < kScatterItems; ++j) {
+      const unsigned long long word = word_of(keys[j], base + j * kThreads + tid);
       if ((flags >> j) & 1u) above_list[gt_slot++] = word;              // fewer than k a row: always room
-      if ((flags >> (8 + j)) & 1u) {
+      if ((flags >> (16 + j)) & 1u) {
         if (eq_slot < kBinCap) bin_list[eq_slot] = word;
         ++eq_slot;
       }
@@ -457,7 +517,7 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
 
 inline int32_t plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms) {
   if (rows <= 0 || rows >= sms || k <= 0 || L < 8 * k) return 1;
-  int64_t c = (4 * static_cast<int64_t>(sms) + rows - 1) / rows;   // about four blocks an SM for steps 1 and 2
+  int64_t c = 2 * static_cast<int64_t>(sms) / rows;   // steps 1 and 2 in one wave of two blocks an SM
   if (c > L / 4096) c = L / 4096;                                     // at least 4096 keys a block
   if (c > kMaxChunks) c = kMaxChunks;
   return static_cast<int32_t>(c < 2 ? 2 : c);

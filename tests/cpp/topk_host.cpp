@@ -95,6 +95,16 @@ unsigned long long shuffle_up(unsigned long long v, int off) {
   return r;
 }
 
+// 32-lane shuffle xor: lane l gets lane l ^ m's value.
+unsigned long long shuffle_xor(unsigned long long v, int m) {
+  const int tid = g->cur, w = tid / 32, lane = tid % 32;
+  g->slot[w][lane] = v;
+  warp_barrier(w);
+  const unsigned long long r = g->slot[w][lane ^ m];
+  warp_barrier(w);
+  return r;
+}
+
 void entry() {
   g->body();
   g->f[g->cur].done = true;
@@ -170,6 +180,7 @@ inline int shfl_up_i(int v, int off) {
   return static_cast<int>(static_cast<uint32_t>(emu::shuffle_up(static_cast<uint32_t>(v), off)));
 }
 inline unsigned long long shfl_up_u64(unsigned long long v, int off) { return emu::shuffle_up(v, off); }
+inline unsigned long long shfl_xor_u64(unsigned long long v, int m) { return emu::shuffle_xor(v, m); }
 inline void shared_add(int* p, int v) { *p += v; }
 inline int global_add(int* p, int v) {
   const int old = *p;
