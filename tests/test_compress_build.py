@@ -27,7 +27,9 @@ TU = REPO / "kernels" / "cuda" / "compress.cu"
 # the output mode chosen at run time: -1) and the large-call instances (128 values a lane for D = 128, 64 for wider
 # rows), one per output mode but FP8 e4m3fnuz (0-2 FP4 threshold / rne / hardware, 3 FP8 e4m3fn, 5 bf16/fp16).
 ROTATE_INSTANCES = {128: (16, 128), 256: (16, 64), 512: (16, 64), 1024: (32, 64)}
-KERNELS = {f"compress_kv_kernel<{k}, {d}>" for k in (4, 8, 128, 256) for d in (128, 512)} | \
+# compress_kv: <K, D, range mode> (0 one range a block; 1 one range a warp, for K <= 8 and D = 128).
+KERNELS = {f"compress_kv_kernel<{k}, {d}, 0>" for k in (4, 8, 128, 256) for d in (128, 512)} | \
+          {f"compress_kv_kernel<{k}, 128, 1>" for k in (4, 8)} | \
           {f"rope_rotate_kernel<{d}, {s}, -1>" for d, (s, _) in ROTATE_INSTANCES.items()} | \
           {f"rope_rotate_kernel<{d}, {v}, {m}>" for d, (_, v) in ROTATE_INSTANCES.items() for m in (0, 1, 2, 3, 5)}
 

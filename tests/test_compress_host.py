@@ -70,6 +70,8 @@ class Emulator:
         c.dsq_emu_set_block_order.restype = None
         c.dsq_emu_set_rotate_v.argtypes = [ctypes.c_int]
         c.dsq_emu_set_rotate_v.restype = None
+        c.dsq_emu_set_compress_mode.argtypes = [ctypes.c_int]
+        c.dsq_emu_set_compress_mode.restype = None
 
     def _check(self, err: int):
         if err:
@@ -90,6 +92,11 @@ class Emulator:
 
     def set_block_order(self, order: int, seed: int = 0):
         self.lib.cdll.dsq_emu_set_block_order(order, seed)
+
+    def set_compress_mode(self, force: int):
+        """compress_kv's range mode: 0 the launcher's choice by call size, 1 one range a block, 2 one range a warp
+        (K <= 8 and D = 128 only; other calls keep one range a block)."""
+        self.lib.cdll.dsq_emu_set_compress_mode(force)
 
     def set_rotate_v(self, v: int):
         """rope_rotate_quant's values a lane (0: the launcher's choice by call size)."""
@@ -257,6 +264,46 @@ def test_compress_kv(ops, emu, name, order):
         assert flag_r == errors.SLOT_OUT_OF_RANGE | errors.POSITION_OUT_OF_RANGE
 
 
+# The cases that the range mode `warp` (one range a warp) can run: K <= 8 and D = 128.
+WARP_RANGE_CASES = [n for n, c in COMPRESS.items() if c.get("ratio", 4) == 4 and c.get("D", 128) == 128]
+
+
+@pytest.mark.parametrize("order", [0, 2])
+@pytest.mark.parametrize("name", WARP_RANGE_CASES)
+def test_compress_kv_warp_ranges(ops, emu, name, order):
+    """The same bytes with the range blocks taking one range a warp (the launcher's choice for calls of many
+    ranges), forced here on the small cases."""
+    if order == 2 and not name.startswith(("r4_fp4_packed68", "r4_ring", "r4_bad", "r4_specials_hw")):
+        pytest.skip("shuffled block order: a few cases")
+    emu.set_compress_mode(2)
+    try:
+        outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, COMPRESS[name], order)
+    finally:
+        emu.set_compress_mode(0)
+    for k in outs_r:
+        if outs_r[k] is not None:
+            _same(f"{name} {k}", outs_e[k], outs_r[k])
+    assert flag_e == flag_r, (flag_e, flag_r)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("case", [dict(quant_mode="fp4", dtype=BF16, starts=(0,), lens=(2100,)),
+                                  dict(quant_mode="fp8", starts=(3, 0, 40), lens=(700, 1500, 9), seed=5)],
+                         ids=["one_prompt", "three"])
+def test_compress_kv_many_ranges(ops, emu, case, mode):
+    """Calls of more than 512 ranges at ratio 4, whose range blocks the launcher gives one range a warp (mode 0),
+    and the same calls one range a block (mode 1)."""
+    emu.set_compress_mode(mode)
+    try:
+        outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, case, 2)
+    finally:
+        emu.set_compress_mode(0)
+    for k in outs_r:
+        if outs_r[k] is not None:
+            _same(f"many ranges {k}", outs_e[k], outs_r[k])
+    assert flag_e == flag_r, (flag_e, flag_r)
+
+
 def test_compress_kv_writes_something(ops, emu):
     """The comparison above is not vacuous: boundaries were stored and ring rows written."""
     outs, args = compress_case(quant_mode="fp4")
@@ -278,11 +325,24 @@ POOL_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(POOL_CASES))
+POOL_WARP_CASES = ["K4", "K8", "K8_bf16_wrap"]
+
+
+@pytest.mark.parametrize("name", list(POOL_CASES) + [f"{n}_warp" for n in POOL_WARP_CASES])
 def test_pool_rows_fp32(ops, emu, monkeypatch, name):
-    """The distributed pool (pool_row: kPL window slices per column, in-thread and cross-lane butterflies) against
-    the reference's pool() in fp32, before any rounding point hides an ulp (every boundary, out slot or not)."""
-    case = dict(POOL_CASES[name])
+    """The distributed pool (pool_row: kPL window slices per column, in-thread and cross-lane butterflies; `_warp`:
+    pool_warp, a lane's columns over the whole window in its registers) against the reference's pool() in fp32,
+    before any rounding point hides an ulp (every boundary, out slot or not)."""
+    warp = name.endswith("_warp")
+    case = dict(POOL_CASES[name[:-5] if warp else name])
+    emu.set_compress_mode(2 if warp else 0)
+    try:
+        _pool_rows_check(ops, emu, monkeypatch, case)
+    finally:
+        emu.set_compress_mode(0)
+
+
+def _pool_rows_check(ops, emu, monkeypatch, case):
     _, args = compress_case(**case)
     got = []
 

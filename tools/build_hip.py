@@ -539,9 +539,9 @@ def kernel_label(demangled: str) -> str:
     if name == "qpack_kernel":
         dt, mode = args
         return f"qpack {['pack', 'fq_ue8m0', 'fq_e4m3'][int(mode)]} {_DT[dt]}"
-    if name == "compress_kv_kernel":
-        k, d = args
-        return f"compress_kv K={k} D={d}"
+    if name == "compress_kv_kernel":   # <K, D, range mode>: 0 one range a block, 1 one range a warp
+        k, d, mode = args
+        return f"compress_kv K={k}{' warp-ranges' if mode == '1' else ''} D={d}"
     if name == "rope_rotate_kernel":   # <D, V, MODE>: kernels/cuda/rotate_body.cuh's output modes, -1 chosen at run time
         d, v, mode = args
         kind = {"-1": "any", "0": "fp4-threshold", "1": "fp4-rne", "2": "fp4-hardware", "3": "fp8-e4m3fn",

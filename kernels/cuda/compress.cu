@@ -1,11 +1,13 @@
 // kernels/cuda/compress.cu: SPEC §7.6 compress_kv and §7.7 rope_rotate_quant on the GPU. The kernel bodies are
 // compress_body.cuh and rotate_body.cuh (shared with the host emulator of tests/cpp/compress_host.cpp); this file
-// supplies the SIMT layer (thread/block ids, block barrier, 32-lane shuffles, the error-flag atomic, 16/8/4-byte
-// loads and stores), the kernels and the launchers.
+// supplies the SIMT layer (thread/block ids, block barrier, 32-lane shuffles, the error-flag atomic, an L1 prefetch
+// hint, 16/8/4-byte loads and stores), the kernels and the launchers.
 //
-// compress_kv: one launch, 256 threads a block, grid = B sequence blocks + ceil(T / ratio) token-range
-//   blocks; template <K, D> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}); the ring ordering
-//   argument is in compress_body.cuh. Static shared memory: CompressSmem (2 KB).
+// compress_kv: one launch, 256 threads a block, grid = B sequence blocks + the token-range blocks (compress_args.h
+//   compress_grid: one range of `ratio` tokens a block, or 8 a block, one a warp, for calls of many ranges);
+//   template <K, D, MODE> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}, MODE kRangeBlock, or
+//   kRangeWarp for K <= 8 and D = 128); the ring ordering argument is in compress_body.cuh. Static shared memory:
+//   CompressSmem (2 KB).
 // rope_rotate_quant: one launch, 128 threads a block, D/V lanes a (t, h) row (rotate_body.cuh); template <D, V, MODE>:
 //   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 128 for
 //   D = 128 and 64 for wider rows (DSQ_ROTATE_V_LARGE_128 / _WIDE), one instance per output mode. Static shared
@@ -25,6 +27,11 @@ __device__ __forceinline__ void block_sync() { __syncthreads(); }
 __device__ __forceinline__ float shfl_xor(float v, int s) { return __shfl_xor_sync(0xFFFFFFFFu, v, s, 32); }
 __device__ __forceinline__ int shfl_xor_i(int v, int s) { return __shfl_xor_sync(0xFFFFFFFFu, v, s, 32); }
 __device__ __forceinline__ void atomic_or(int* p, int v) { atomicOr(p, v); }
+#if defined(__HIP__)
+__device__ __forceinline__ void prefetch_l1(const void*) {}
+#else
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+#endif
 __device__ __forceinline__ void ld16(const void* p, uint32_t (&w)[4]) {
   const uint4 v = *static_cast<const uint4*>(p);
   w[0] = v.x;
@@ -48,10 +55,10 @@ namespace dsqv4 {
 // The second bound (CUDA: min resident blocks per SM; HIP: min waves per EU) is given so that ptxas does not pick an
 // occupancy-driven register target of its own, which spilled a few registers of some instantiations (sm_90a/100a).
 // Large windows keep ~200 registers (the pool holds K/32 rows of sig per thread and hoists their loads).
-template <int K, int D>
+template <int K, int D, int MODE>
 __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(CompressArgs a) {
   __shared__ CompressSmem sm;
-  compress_block<K, D>(a, sm);
+  compress_block<K, D, MODE>(a, sm);
 }
 
 // At most 168 registers (3 blocks of 128 threads an SM): a large call's thread holds a row of 128 fp32 values.
@@ -92,9 +99,17 @@ int launch_rotate_d(const RotateArgs& a, cudaStream_t stream) {
 }
 
 template <int K>
-int launch_compress_k(const CompressArgs& a, unsigned grid, cudaStream_t stream) {
-  if (a.D == 128) compress_kv_kernel<K, 128><<<grid, kThreads, 0, stream>>>(a);
-  else if (a.D == 512) compress_kv_kernel<K, 512><<<grid, kThreads, 0, stream>>>(a);
+int launch_compress_k(const CompressArgs& a, cudaStream_t stream) {
+  const bool warps = compress_warp_ranges(a);
+  const unsigned grid = static_cast<unsigned>(compress_grid(a, warps));
+  if constexpr (K <= 8) {
+    if (warps) {
+      compress_kv_kernel<K, 128, kRangeWarp><<<grid, kThreads, 0, stream>>>(a);
+      return static_cast<int>(cudaGetLastError());
+    }
+  }
+  if (a.D == 128) compress_kv_kernel<K, 128, kRangeBlock><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.D == 512) compress_kv_kernel<K, 512, kRangeBlock><<<grid, kThreads, 0, stream>>>(a);
   else return static_cast<int>(cudaErrorInvalidValue);
   return static_cast<int>(cudaGetLastError());
 }
@@ -104,12 +119,11 @@ int launch_compress_k(const CompressArgs& a, unsigned grid, cudaStream_t stream)
 int dsq_compress_kv_launch(const dsqv4::CompressArgs& a, cudaStream_t stream) {
   using namespace dsqv4;
   if (a.T == 0 || a.B == 0) return 0;
-  const unsigned grid = static_cast<unsigned>(compress_grid(a));
   switch (a.K) {
-    case 4: return launch_compress_k<4>(a, grid, stream);
-    case 8: return launch_compress_k<8>(a, grid, stream);
-    case 128: return launch_compress_k<128>(a, grid, stream);
-    case 256: return launch_compress_k<256>(a, grid, stream);
+    case 4: return launch_compress_k<4>(a, stream);
+    case 8: return launch_compress_k<8>(a, stream);
+    case 128: return launch_compress_k<128>(a, stream);
+    case 256: return launch_compress_k<256>(a, stream);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

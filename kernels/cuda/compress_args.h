@@ -17,9 +17,22 @@ using RopeTable = DsqRope;          // `vec` is not read here
 using CompressArgs = DsqCompressArgs;
 using RotateArgs = DsqRotateArgs;
 
-// Grid of the compress_kv launch (one launch, 256 threads a block, see compress_body.cuh): B sequence blocks, then
-// ceil(T / ratio) token-range blocks.
-inline int64_t compress_grid(const CompressArgs& a) { return a.B + (a.T + a.ratio - 1) / a.ratio; }
+// The compress_kv launch (one launch, 256 threads a block, see compress_body.cuh): B sequence blocks, then the
+// token-range blocks for the ceil(T / ratio) ranges of `ratio` tokens. With few ranges each gets a block of its own
+// (the whole block pools the range's boundary: the shortest latency a boundary); with many (K <= 8, D = 128) a
+// block takes 8 ranges, one a warp (a warp pools and finishes its boundary alone: no idle warps, no barriers).
+constexpr int64_t kCompressWarpRangesFrom = 512;   // ranges a call from which range blocks take one range a warp
+constexpr int kCompressRangesPerWarpBlock = 8;     // = the warps of a 256-thread block
+inline int64_t compress_ranges(const CompressArgs& a) { return (a.T + a.ratio - 1) / a.ratio; }
+// force: 0 by the call's size, 1 one range a block, 2 one range a warp (where the geometry allows it; tests).
+inline bool compress_warp_ranges(const CompressArgs& a, int force = 0) {
+  if (a.K > 8 || a.D != 128) return false;
+  return force ? force == 2 : compress_ranges(a) >= kCompressWarpRangesFrom;
+}
+inline int64_t compress_grid(const CompressArgs& a, bool warp_ranges) {
+  const int64_t n = compress_ranges(a);
+  return a.B + (warp_ranges ? (n + kCompressRangesPerWarpBlock - 1) / kCompressRangesPerWarpBlock : n);
+}
 // The rope_rotate_quant launch's shape: rotate_body.cuh (rot::rotate_values_per_lane, rot::rotate_run, rot::rotate_grid).
 
 }  // namespace dsqv4

@@ -13,6 +13,7 @@
 //                              32-lane warp (CUDA width 32; on a wave64 each half is one such warp); every
 //                              lane of the warp calls it together
 //   void atomic_or(int*, int)  the error flag (python/dsaquant/errors.py codes)
+//   void prefetch_l1(const void*) a hint: the line holding the address into the SM's L1 (may do nothing)
 // All format math is the shared header's (src/include/dsaquant); this file only distributes it.
 #pragma once
 
@@ -109,6 +110,33 @@ V4_FN void warp_rope_tail(float (&x)[V], int lane, const RopeTable& t, int64_t p
   }
 }
 
+// The cos/sin a lane needs for warp_rope_tail at table row p, loaded ahead of use (c[j], s[j] for the lane's
+// pair j; zeros on lanes outside the tail).
+template <int V>
+struct RopeIn {
+  float c[V / 2], s[V / 2];
+};
+template <int V>
+V4_FN RopeIn<V> rope_in(const RopeTable& t, int64_t p, int lane) {
+  constexpr int n = 32 * V;
+  RopeIn<V> r;
+  V4_UNROLL
+  for (int e = 0; e < V; e += 2) {
+    r.c[e / 2] = 0.0f;
+    r.s[e / 2] = 0.0f;
+    if (V * lane >= n - 64) rope_cs(t, p, (V * lane + e - (n - 64)) / 2, r.c[e / 2], r.s[e / 2]);
+  }
+  return r;
+}
+// warp_rope_tail with the table values already in registers.
+template <int V>
+V4_FN void warp_rope_tail_in(float (&x)[V], int lane, const RopeIn<V>& r) {
+  constexpr int n = 32 * V;
+  if (V * lane < n - 64) return;
+  V4_UNROLL
+  for (int e = 0; e < V; e += 2) rope_pair(x[e], x[e + 1], r.c[e / 2], r.s[e / 2]);
+}
+
 template <int V>
 V4_FN void warp_round_bf16(float (&x)[V]) {
   V4_UNROLL
@@ -158,11 +186,15 @@ V4_FN void fp4_encode_lane(const float (&x)[V], const int (&ex)[Chunks<V>::kMax]
 // =========================================================================================================
 // SPEC §7.6 compress_kv
 //
-// One launch, kThreads threads a block, grid = B + ceil(T / ratio) blocks (compress_args.h compress_grid):
+// One launch, kThreads threads a block, grid = B + the range blocks (compress_args.h compress_grid):
 //   - blocks [0, B), one per sequence b ("sequence blocks"): the boundaries among the sequence's first K-1
-//     tokens of the call, then __syncthreads, then (update_state) the ring rows of its last K tokens;
-//   - blocks [B, ...), one per range of `ratio` consecutive tokens ("range blocks"): every other boundary (at most
-//     one per range).
+//     tokens of the call (the whole block pools each one, warp 0 finishes it), then __syncthreads, then
+//     (update_state) the ring rows of its last K tokens, spread over all threads;
+//   - blocks [B, ...) ("range blocks"): every other boundary (at most one per range of `ratio` consecutive
+//     tokens). Range mode `block`: one range a block, pooled by the whole block (few ranges: the latency of
+//     each boundary is what counts). Range mode `warp` (K <= 8, D = 128, many ranges): kWarps ranges a block,
+//     one a warp, each warp pooling its boundary's whole window in registers (lane l: columns 4l .. 4l+3, every
+//     window row) and finishing it in place, without shared memory or block barriers.
 // Why this orders every ring read before every ring write of the call (SPEC §7.6 "State update") without a
 // grid barrier or a second launch: a window row comes from the ring only when its position s < start_pos[b],
 // and the window of a boundary at local index j (p = start_pos[b] + j) covers s >= p - K + 1, so only
@@ -171,6 +203,8 @@ V4_FN void fp4_encode_lane(const float (&x)[V], const int (&ex)[Chunks<V>::kMax]
 // but this call's inputs (kv, score, ape), which no block writes. A ring row of sequence b is read and written
 // only by sequence b's block, since sequences own distinct state slots (two non-empty sequences sharing a slot
 // in one call are the caller's error: the reference's own writes are then ambiguous).
+// Every pooled value is computed in the SPEC's order whatever the mode (the modes only move the same fp32
+// operations between threads), so the bytes do not depend on the range mode nor on the order of blocks.
 // =========================================================================================================
 
 // Compile-time geometry by window size K (ratio in {4, 128}, so K determines ratio and overlap).
@@ -279,6 +313,27 @@ V4_FN float window_kv(const CompressArgs& a, const Win& w, int k, int c) {
   return a.state_kv[w.slot * a.skv_s0 + ring_row(a, w, k) * a.skv_s1 + col];
 }
 
+// A hint only (no byte depends on it): the lines of the window's input rows (kv and score) go to L1 before the first
+// pass of pool_row, so that the later passes (D / kCols of them: 4 for K = 128) find their rows in L1 instead of
+// waiting for L2 or HBM once a pass. A row's D values span D*size/128 lines, plus one where the row does not start
+// on a line; ring rows are left alone.
+template <int K, int D>
+V4_FN void prefetch_window(const CompressArgs& a, const Win& w) {
+  const int esz = a.in_dt == kF32 ? 4 : 2;
+  const int per_line = 128 / esz;
+  const int lines = D / per_line + 1;
+  const int n = 2 * K * lines;
+  for (int t = thread_id(); t < n; t += kThreads) {
+    const int k = (t >> 1) / lines, l = (t >> 1) % lines;
+    if (w.s0 + k < 0 || w.s0 + k < w.start) continue;
+    const int col = window_col<K, D>(k, l < lines - 1 ? l * per_line : D - 1);
+    const int64_t r = w.i - (K - 1 - k);
+    const char* p = (t & 1) ? static_cast<const char*>(a.kv) + (r * a.kv_st + col) * esz
+                            : static_cast<const char*>(a.score) + (r * a.sc_st + col) * esz;
+    prefetch_l1(p);
+  }
+}
+
 // SPEC §7.6 step 2 for every column of one boundary: sm.y[c] = the pooled value. All threads call it.
 template <int K, int D>
 V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
@@ -288,6 +343,7 @@ V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64
   const int cl = lane % G::kCL, pl = lane / G::kCL;
   const Win w = window_of<K>(a, q, i, p);
   const int64_t s0 = w.s0;                     // position of window row 0
+  if constexpr (D > G::kCols) prefetch_window<K, D>(a, w);
   V4_NO_UNROLL   // one pass of kCols columns at a time (unrolling the passes only raises the register count)
   for (int c0 = 0; c0 < D; c0 += G::kCols) {
     if (c0 + warp * G::kCL >= D) break;        // the whole warp is past the row (D % kCL == 0)
@@ -359,13 +415,29 @@ V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64
   }
 }
 
-// SPEC §7.6 steps 3-7 on warp 0: rounding points, RMSNorm, tail RoPE, Hadamard, quantize and store at `slot`.
+// What warp 0 (or a range warp) needs besides the pooled row, loaded before the pool so that its loads overlap
+// the window's: the lane's norm weights and RoPE table values (lane l holds dims V*l .. V*l + V-1).
+template <int D>
+struct FinishIn {
+  float w[D / 32];
+  RopeIn<D / 32> rope;
+};
 template <int K, int D>
-V4_FN void finish_row(const CompressArgs& a, const CompressSmem& sm, int64_t p, int64_t slot, int lane) {
+V4_FN FinishIn<D> finish_in(const CompressArgs& a, int64_t p, int lane) {
   constexpr int V = D / 32;
-  float x[V];
+  FinishIn<D> f;
   V4_UNROLL
-  for (int e = 0; e < V; ++e) x[e] = sm.y[V * lane + e];
+  for (int e = 0; e < V; ++e) f.w[e] = load_f(a.norm_w, V * lane + e, a.norm_w_dt);
+  // Tail RoPE at p + 1 - ratio (>= 0), clamped into the table (reported by the caller).
+  f.rope = rope_in<V>(a.rope, rope_position(p + 1 - Geo<K>::kRatio, a.rope.max_pos, 1), lane);
+  return f;
+}
+
+// SPEC §7.6 steps 3-7 on one warp whose lane l holds the pooled values x = y[V*l .. V*l + V-1]: rounding points,
+// RMSNorm, tail RoPE, Hadamard, quantize and store at `slot`.
+template <int K, int D>
+V4_FN void finish_values(const CompressArgs& a, float (&x)[D / 32], const FinishIn<D>& f, int64_t slot, int lane) {
+  constexpr int V = D / 32;
   const int pts = a.bf16_after;
   if (pts & code(RoundPoint::pool)) warp_round_bf16(x);
   // RMSNorm (SPEC §5): inv = 1/sqrt(S(x*x)/D + eps), y = fl(w * fl(x*inv)).
@@ -375,10 +447,9 @@ V4_FN void finish_row(const CompressArgs& a, const CompressSmem& sm, int64_t p, 
   // S/D as a multiply by the exact power of two 2^-log2(D): the same correctly rounded value as the division.
   const float inv = inv_sqrt_eps(fmul(warp_sum(sq), 1.0f / static_cast<float>(D)), a.eps);
   V4_UNROLL
-  for (int e = 0; e < V; ++e) x[e] = rms_norm_apply(x[e], inv, load_f(a.norm_w, V * lane + e, a.norm_w_dt));
+  for (int e = 0; e < V; ++e) x[e] = rms_norm_apply(x[e], inv, f.w[e]);
   if (pts & code(RoundPoint::norm)) warp_round_bf16(x);
-  // Tail RoPE at p + 1 - ratio (>= 0), clamped into the table (reported by the caller).
-  warp_rope_tail(x, lane, a.rope, rope_position(p + 1 - Geo<K>::kRatio, a.rope.max_pos, 1));
+  warp_rope_tail_in(x, lane, f.rope);
   if (pts & code(RoundPoint::rope)) warp_round_bf16(x);
   if constexpr (D == 128) {
     if (a.hadamard) {
@@ -436,22 +507,79 @@ V4_FN void finish_row(const CompressArgs& a, const CompressSmem& sm, int64_t p, 
   }
 }
 
-// One boundary (token i at position p of sequence q): pool, then warp 0 finishes and stores. Block-uniform.
+// The checks of one boundary (SPEC §7.5): the RoPE position p + 1 - ratio (>= 0) is clamped into the table and
+// reported; a negative out slot means no store (the ring update still happens); a slot past the capacity is
+// skipped and reported. Returns the slot to store at, or -1. `leader`: the one thread that reports. Callers pool
+// before they test the result, so that the window's loads need not wait for the slot's (a skipped boundary's
+// pool is wasted work, never a byte written).
+template <int K>
+V4_FN int64_t boundary_slot(const CompressArgs& a, int64_t i, int64_t p, bool leader) {
+  if (leader && p + 1 - Geo<K>::kRatio >= a.rope.max_pos) atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));
+  const int64_t slot = a.out_slots[i];
+  if (slot < 0) return -1;
+  if (slot >= a.num_blocks * a.P) {            // never written out of bounds
+    if (leader) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
+    return -1;
+  }
+  return slot;
+}
+
+// One boundary (token i at position p of sequence q) on the whole block: pool, then warp 0 finishes and stores.
+// Block-uniform.
 template <int K, int D>
 V4_FN void compress_boundary(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
   const int tid = thread_id();
-  // SPEC §7.5: the RoPE position p + 1 - ratio (>= 0) is clamped into the table and reported.
-  if (tid == 0 && p + 1 - Geo<K>::kRatio >= a.rope.max_pos) atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));
-  const int64_t slot = a.out_slots[i];
-  if (slot < 0) return;                        // no store (the ring update still happens)
-  if (slot >= a.num_blocks * a.P) {            // never written out of bounds: skipped and reported
-    if (tid == 0) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
-    return;
-  }
+  const int64_t slot = boundary_slot<K>(a, i, p, tid == 0);
+  FinishIn<D> f;
+  if (tid < 32) f = finish_in<K, D>(a, p, tid);
   pool_row<K, D>(a, sm, q, i, p);
   block_sync();
-  if (tid < 32) finish_row<K, D>(a, sm, p, slot, tid);
+  if (slot >= 0 && tid < 32) {
+    constexpr int V = D / 32;
+    float x[V];
+    V4_UNROLL
+    for (int e = 0; e < V; ++e) x[e] = sm.y[V * tid + e];
+    finish_values<K, D>(a, x, f, slot, tid);
+  }
   block_sync();                                // sm.y is free again
+}
+
+// SPEC §7.6 step 2 of one boundary on one warp (K <= 8, D = 128): lane l pools columns 4l .. 4l+3 over the whole
+// window in its registers, in the order of pool.h's pool_window (one thread, the canonical sums in place).
+template <int K>
+V4_FN void pool_warp(const CompressArgs& a, const Win& w, int lane, float (&y)[4]) {
+  static_assert(K <= 8, "a lane holds every window row");
+  V4_UNROLL
+  for (int e = 0; e < 4; ++e) {
+    const int c = 4 * lane + e;
+    float v[K];
+    PoolMax st = pool_max_init();
+    V4_UNROLL
+    for (int k = 0; k < K; ++k) {
+      v[k] = 0.0f;
+      if (w.s0 + k >= 0) {
+        v[k] = window_sig<K, 128>(a, w, k, c);
+        pool_max_add(st, v[k]);
+      }
+    }
+    V4_UNROLL
+    for (int k = 0; k < K; ++k) v[k] = w.s0 + k >= 0 ? pool_exp(v[k], st.m) : 0.0f;
+    const float S = canonical_sum<K>(v);
+    const float yv = canonical_sum_map<K>([&](int k) {
+      return w.s0 + k >= 0 ? fmul(pool_weight(v[k], S), window_kv<K, 128>(a, w, k, c)) : 0.0f;
+    });
+    y[e] = pool_finish(yv, st);
+  }
+}
+
+// One boundary on one warp (range mode `warp`): pool in registers, finish in place. Warp-uniform.
+template <int K>
+V4_FN void compress_boundary_warp(const CompressArgs& a, const Seq& q, int64_t i, int64_t p, int lane) {
+  const int64_t slot = boundary_slot<K>(a, i, p, lane == 0);
+  FinishIn<128> f = finish_in<K, 128>(a, p, lane);
+  float y[4];
+  pool_warp<K>(a, window_of<K>(a, q, i, p), lane, y);
+  if (slot >= 0) finish_values<K, 128>(a, y, f, slot, lane);
 }
 
 template <int K>
@@ -459,21 +587,56 @@ V4_FN bool is_boundary(int64_t p) { return p >= 0 && ((p + 1) & (Geo<K>::kRatio 
 
 // State update (SPEC §7.6): ring row [slot, p mod R] of each of the sequence's last K tokens (p >= 0) gets
 // kv (fp32, exact) and fl(score + ape[p mod ratio]) (a NaN stored canonical), over the full width C.
+// The n <= K rows x C columns are one flat range of elements, thread t taking elements t + kThreads*u; the
+// elements go in batches of kU a thread, all loads of a batch before its stores (a store may alias a later load
+// for all the compiler knows, so a row at a time would wait for memory once per row).
 template <int K, int D>
-V4_FN void write_ring(const CompressArgs& a, const Seq& q) {
-  constexpr int C = (Geo<K>::kOverlap ? 2 : 1) * D;
+struct Ring {
+  static constexpr int kC = (Geo<K>::kOverlap ? 2 : 1) * D;
+  static constexpr int kPerThread = K * kC / kThreads;             // (K*C a multiple of kThreads)
+  static constexpr int kU = kPerThread < 32 ? kPerThread : 32;
+  static constexpr int kBatches = kPerThread / kU;
+  // The first batch is loaded before the sequence block's boundaries (it only reads inputs) and stored after them,
+  // so that a decode step waits for memory once: where the whole ring fits in a few registers.
+  static constexpr bool kEarly = kBatches == 1 && kU <= 8;
+};
+template <int U>
+struct RingBatch {
+  float kv[U], sc[U];
+};
+template <int K, int D>
+V4_FN void ring_load(const CompressArgs& a, const Seq& q, int batch, RingBatch<Ring<K, D>::kU>& rb) {
+  using RG = Ring<K, D>;
   const int64_t j0 = q.len > K ? q.len - K : 0;
-  int64_t row = mod_floor(q.start + j0, a.R); // one modulo; then rows advance by one, wrapping at most once
-                                               // (at most K <= R tokens)
-  for (int64_t j = j0; j < q.len; ++j, row = row + 1 == a.R ? 0 : row + 1) {
-    const int64_t pos = q.start + j, i = q.first + j;
-    if (pos < 0) continue;
-    float* skv = a.state_kv + q.slot * a.skv_s0 + row * a.skv_s1;
-    float* ssc = a.state_score + q.slot * a.ssc_s0 + row * a.ssc_s1;
-    const float* ape = a.ape + (pos & (Geo<K>::kRatio - 1)) * a.ape_st;
-    for (int c = thread_id(); c < C; c += kThreads) {
-      skv[c] = load_f(a.kv, i * a.kv_st + c, a.in_dt);
-      ssc[c] = canon_nan(fadd(load_f(a.score, i * a.sc_st + c, a.in_dt), ape[c]));
+  const int64_t n = q.len - j0;
+  V4_UNROLL
+  for (int u = 0; u < RG::kU; ++u) {
+    const int el = (batch * RG::kU + u) * kThreads + thread_id();
+    const int row = el / RG::kC, c = el % RG::kC;
+    const int64_t pos = q.start + j0 + row, i = q.first + j0 + row;
+    rb.kv[u] = 0.0f;
+    rb.sc[u] = 0.0f;
+    if (row < n && pos >= 0) {
+      rb.kv[u] = load_f(a.kv, i * a.kv_st + c, a.in_dt);
+      rb.sc[u] = canon_nan(fadd(load_f(a.score, i * a.sc_st + c, a.in_dt),
+                                a.ape[(pos & (Geo<K>::kRatio - 1)) * a.ape_st + c]));
+    }
+  }
+}
+template <int K, int D>
+V4_FN void ring_store(const CompressArgs& a, const Seq& q, int batch, const RingBatch<Ring<K, D>::kU>& rb) {
+  using RG = Ring<K, D>;
+  const int64_t j0 = q.len > K ? q.len - K : 0;
+  const int64_t n = q.len - j0;
+  const int64_t ring0 = mod_floor(q.start + j0, a.R);   // then rows advance by one, wrapping at most once (n <= R)
+  V4_UNROLL
+  for (int u = 0; u < RG::kU; ++u) {
+    const int el = (batch * RG::kU + u) * kThreads + thread_id();
+    const int row = el / RG::kC, c = el % RG::kC;
+    if (row < n && q.start + j0 + row >= 0) {
+      const int64_t r = ring0 + row >= a.R ? ring0 + row - a.R : ring0 + row;
+      a.state_kv[q.slot * a.skv_s0 + r * a.skv_s1 + c] = rb.kv[u];
+      a.state_score[q.slot * a.ssc_s0 + r * a.ssc_s1 + c] = rb.sc[u];
     }
   }
 }
@@ -487,41 +650,82 @@ V4_FN int64_t first_boundary(const Seq& q, int64_t j_lo) {
   return j;
 }
 
-// No loop runs around compress_boundary (a loop made the compilers hoist its invariants and spill): a range block has
-// at most one boundary to handle, a sequence block at most two; both kinds share the first call site.
+// The sequence holding token i0 (one that has no ring slot counts as none: its sequence block reports it).
+// A single sequence needs no search.
+V4_FN bool range_seq(const CompressArgs& a, int64_t i0, Seq& q) {
+  const int64_t b = a.B == 1 ? 0 : seq_of_token(a, i0);
+  if (b < 0) return false;
+  q = seq_of(a, b);
+  if (i0 < q.first || i0 >= q.first + q.len) return false;
+  return q.slot >= 0 && q.slot < a.n_ring;
+}
+
+// The boundary of the range of `ratio` tokens from i0 that is not a sequence block's, if any: at local index
+// >= K - 1 (only inputs in its window). There is at most one: a sequence that starts inside the range has local
+// indices < ratio - 1 <= K - 1 there, so only the sequence holding token i0 can have one, and a sequence has one
+// boundary every ratio positions. Returns its local index, or -1.
+template <int K>
+V4_FN int64_t range_boundary(const Seq& q, int64_t i0) {
+  const int64_t j = first_boundary<K>(q, i0 - q.first);
+  return (j >= K - 1 && j < q.len && q.first + j < i0 + Geo<K>::kRatio) ? j : -1;
+}
+
+// The sequence block of sequence b: its boundaries at local index j < K - 1 (the only ones whose windows may reach
+// into the ring), one every ratio tokens, so one without overlap (K = ratio) and at most two with overlap
+// (K = 2 ratio); then its ring rows. No loop runs around compress_boundary (a loop made the compilers hoist its
+// invariants and spill).
 template <int K, int D>
-V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
+V4_FN void sequence_block(const CompressArgs& a, CompressSmem& sm, int64_t b) {
+  using RG = Ring<K, D>;
   constexpr int RT = Geo<K>::kRatio;
-  const int64_t bid = block_id();
-  const bool seq_block = bid < a.B;
-  int64_t b = bid;
-  if (!seq_block) {
-    // Range block: tokens [i0, i0 + ratio). Its boundaries at local index >= K - 1 read only the inputs. There is
-    // at most one: a sequence that starts inside the range has local indices < ratio - 1 <= K - 1 there, so only
-    // the sequence holding token i0 can have one, and a sequence has one boundary every ratio positions.
-    b = seq_of_token(a, (bid - a.B) * RT);
-    if (b < 0) return;
-  }
   const Seq q = seq_of(a, b);
   if (q.len == 0) return;
   if (q.slot < 0 || q.slot >= a.n_ring) {      // the whole sequence is skipped, and reported (once)
-    if (seq_block && thread_id() == 0) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
+    if (thread_id() == 0) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
     return;
   }
-  // Sequence block: the boundaries at local index j < K - 1 (the only ones whose windows may reach into the ring),
-  // one every ratio tokens, so one without overlap (K = ratio) and at most two with overlap (K = 2 ratio).
-  const int64_t i0 = (bid - a.B) * RT;
-  const int64_t j = first_boundary<K>(q, seq_block ? 0 : i0 - q.first);
-  const bool mine = seq_block ? j < (q.len < K - 1 ? q.len : K - 1)
-                              : (j >= K - 1 && j < q.len && q.first + j < i0 + RT);
-  if (mine) compress_boundary<K, D>(a, sm, q, q.first + j, q.start + j);
-  if (!seq_block) return;
+  RingBatch<RG::kU> rb;
+  if (RG::kEarly && a.update_state) ring_load<K, D>(a, q, 0, rb);
+  const int64_t lim = q.len < K - 1 ? q.len : K - 1;
+  const int64_t j = first_boundary<K>(q, 0);
+  if (j < lim) compress_boundary<K, D>(a, sm, q, q.first + j, q.start + j);
   if constexpr (Geo<K>::kOverlap) {
-    if (j + RT < (q.len < K - 1 ? q.len : K - 1)) compress_boundary<K, D>(a, sm, q, q.first + j + RT, q.start + j + RT);
+    if (j + RT < lim) compress_boundary<K, D>(a, sm, q, q.first + j + RT, q.start + j + RT);
   }
   if (a.update_state) {                        // every ring read of the sequence (above) before its writes
     block_sync();
-    write_ring<K, D>(a, q);
+    V4_NO_UNROLL
+    for (int bt = 0; bt < RG::kBatches; ++bt) {
+      if (!(RG::kEarly && bt == 0)) ring_load<K, D>(a, q, bt, rb);
+      ring_store<K, D>(a, q, bt, rb);
+    }
+  }
+}
+
+// Range modes (compress_args.h compress_warp_ranges): kRangeBlock, one range a block; kRangeWarp, kWarps ranges a
+// block, one a warp (K <= 8, D = 128).
+constexpr int kRangeBlock = 0;
+constexpr int kRangeWarp = 1;
+
+template <int K, int D, int MODE>
+V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
+  constexpr int RT = Geo<K>::kRatio;
+  const int64_t bid = block_id();
+  if (bid < a.B) return sequence_block<K, D>(a, sm, bid);
+  if constexpr (MODE == kRangeWarp) {
+    static_assert(K <= 8 && D == 128, "warp ranges: K <= 8, D = 128");
+    const int lane = thread_id() & 31;
+    const int64_t i0 = ((bid - a.B) * kWarps + (thread_id() >> 5)) * RT;
+    Seq q;
+    if (i0 >= a.T || !range_seq(a, i0, q)) return;
+    const int64_t j = range_boundary<K>(q, i0);
+    if (j >= 0) compress_boundary_warp<K>(a, q, q.first + j, q.start + j, lane);
+  } else {
+    const int64_t i0 = (bid - a.B) * RT;
+    Seq q;
+    if (!range_seq(a, i0, q)) return;
+    const int64_t j = range_boundary<K>(q, i0);
+    if (j >= 0) compress_boundary<K, D>(a, sm, q, q.first + j, q.start + j);
   }
 }
 

@@ -174,6 +174,7 @@ inline void block_sync() { emu::block_barrier(); }
 inline float shfl_xor(float v, int s) { return emu::shuffle(emu::g->slot_f, v, s); }
 inline int shfl_xor_i(int v, int s) { return emu::shuffle(emu::g->slot_i, v, s); }
 inline void atomic_or(int* p, int v) { *p |= v; }
+inline void prefetch_l1(const void*) {}
 inline void ld16(const void* p, uint32_t (&w)[4]) { std::memcpy(w, p, 16); }
 inline void st16(void* p, const uint32_t (&w)[4]) { std::memcpy(p, w, 16); }
 inline void st8(void* p, uint32_t w0, uint32_t w1) {
@@ -201,18 +202,25 @@ int guarded(F&& f) {
   }
 }
 
-template <int K, int D>
+// compress_kv's range mode: 0 the launcher's choice by call size, 1 one range a block, 2 one range a warp (where
+// K <= 8 and D = 128; elsewhere one a block, as the launcher does).
+int g_compress_force = 0;
+
+template <int K, int D, int MODE>
 void compress_grid_run(const dsqv4::CompressArgs& a) {
-  emu::run_grid(dsqv4::compress_grid(a), [&](int64_t bid) {
+  emu::run_grid(dsqv4::compress_grid(a, MODE == dsqv4::kRangeWarp), [&](int64_t bid) {
     dsqv4::CompressSmem sm;
-    emu::run_block(bid, [&] { dsqv4::compress_block<K, D>(a, sm); });
+    emu::run_block(bid, [&] { dsqv4::compress_block<K, D, MODE>(a, sm); });
   });
 }
 
 template <int K>
 void compress_k(const dsqv4::CompressArgs& a) {
-  if (a.D == 128) compress_grid_run<K, 128>(a);
-  else if (a.D == 512) compress_grid_run<K, 512>(a);
+  if constexpr (K <= 8) {
+    if (dsqv4::compress_warp_ranges(a, g_compress_force)) return compress_grid_run<K, 128, dsqv4::kRangeWarp>(a);
+  }
+  if (a.D == 128) compress_grid_run<K, 128, dsqv4::kRangeBlock>(a);
+  else if (a.D == 512) compress_grid_run<K, 512, dsqv4::kRangeBlock>(a);
   else throw std::invalid_argument("D must be 128 or 512");
 }
 
@@ -227,7 +235,8 @@ void compress_kv(const dsqv4::CompressArgs& a) {
   }
 }
 
-// The distributed pool alone (compress_body.cuh pool_row: SPEC §7.6 step 2 over all D columns) for the boundaries
+// The distributed pool alone (compress_body.cuh pool_row, or pool_warp when the range mode is forced to `warp` and
+// K <= 8, D = 128: SPEC §7.6 step 2 over all D columns) for the boundaries
 // (i, p, b) given: returns their pooled rows [N, D] in fp32, before any rounding point.
 // bs: n boundaries (i, p, b) as int64 triples; out: n rows of D fp32 values.
 template <int K, int D>
@@ -236,7 +245,20 @@ void pool_rows_run(const dsqv4::CompressArgs& a, const int64_t* bs, int64_t n, f
     const int64_t i = bs[3 * r], p = bs[3 * r + 1], b = bs[3 * r + 2];
     dsqv4::CompressSmem sm;
     emu::run_grid(1, [&](int64_t) {
-      emu::run_block(0, [&] { dsqv4::pool_row<K, D>(a, sm, dsqv4::seq_of(a, b), i, p); });
+      emu::run_block(0, [&] {
+        const dsqv4::Seq q = dsqv4::seq_of(a, b);
+        if constexpr (K <= 8 && D == 128) {
+          if (g_compress_force == 2) {   // the warp pool (range mode `warp`) on warp 0
+            const int tid = dsqv4::thread_id();
+            if (tid >= 32) return;
+            float y[4];
+            dsqv4::pool_warp<K>(a, dsqv4::window_of<K>(a, q, i, p), tid, y);
+            for (int e = 0; e < 4; ++e) sm.y[4 * tid + e] = y[e];
+            return;
+          }
+        }
+        dsqv4::pool_row<K, D>(a, sm, q, i, p);
+      });
     });
     for (int c = 0; c < D; ++c) out[r * D + c] = sm.y[c];
   }
@@ -347,6 +369,8 @@ DSQ_API int dsq_emu_warp_op(float* x, int64_t count, int n, int op) {
 }
 // The values a lane of the emulated rope_rotate_quant (0: the launcher's choice; 16, 32, 64 or 128).
 DSQ_API void dsq_emu_set_rotate_v(int v) { g_rotate_v = v; }
+// compress_kv's range mode (g_compress_force): 0 by call size, 1 one range a block, 2 one range a warp.
+DSQ_API void dsq_emu_set_compress_mode(int force) { g_compress_force = force; }
 // The order of the blocks of a grid: 0 in order, 1 reversed, 2 shuffled (seeded).
 DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) {
   emu::g_order = order;
