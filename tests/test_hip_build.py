@@ -282,8 +282,8 @@ def test_float_mode_wave64_and_launch_bounds(rows):
         assert r["wave"] == 64, where
         assert r["float_mode"] & 0xF == 0, f"{where}: FloatMode {r['float_mode']}: not round-to-nearest-even"
         assert (r["float_mode"] >> 4) & 3 == 3, f"{where}: FloatMode {r['float_mode']}: fp32 denormals flushed"
-        if r["label"] != "fp8_selfcheck_kernel":   # rope_rotate_quant's blocks are 128 threads (rotate_body.cuh)
-            want = 128 if r["label"].startswith("rope_rotate") else 256
+        if r["label"] != "fp8_selfcheck_kernel":   # rope_rotate_quant's blocks (rotate_body.cuh) and the k writers'
+            want = 128 if r["label"].startswith(("rope_rotate", "kstore")) else 256   # (kstore_qpack.cu): 128 threads
             assert r["max_wg"] == want, f"{where}: __launch_bounds__({want}) lost ({r['max_wg']})"
 
 
