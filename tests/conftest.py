@@ -10,26 +10,22 @@ build/test_header/), and imports it.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import os
-import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
+import host_cpp
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER_DIR = REPO / "src" / "include"
 TESTS_CPP = REPO / "tests" / "cpp"
-# SPEC §0.1 / §0.6: no contraction, no fast-math, no flush-to-zero.
 SLOW_FILES = {
     "test_compile.py", "test_cuda_module.py", "test_e2m1_exhaustive.py", "test_header_builds.py",
     "test_header_host.py", "test_header_compress_host.py", "test_hip_build.py", "test_properties.py",
     "test_triton_aot.py", "test_triton_fp4_packed.py", "test_triton_quant.py", "test_triton_scorer.py",
     "test_triton_scorer_aot.py", "test_triton_compress.py", "test_compress_build.py", "test_compress_host.py", "test_wheels.py",
+    "test_topk_host.py",
 }
 
 
@@ -39,9 +35,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-HOST_CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
-
-
 def _header_sources() -> list[Path]:
     return sorted((HEADER_DIR / "dsaquant").glob("*.h"))
 
@@ -49,26 +42,9 @@ def _header_sources() -> list[Path]:
 def _build_header_host() -> Path:
     import pybind11
 
-    cxx = os.environ.get("CXX", shutil.which("g++") or "g++")
-    src = TESTS_CPP / "header_host.cpp"
-    h = hashlib.sha256()
-    for p in [src, *_header_sources()]:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    h.update(" ".join([cxx, *HOST_CXXFLAGS, sys.version]).encode())
-    out_dir = REPO / "build" / "test_header" / h.hexdigest()[:16]
-    so = out_dir / ("dsq_header_host" + sysconfig.get_config_var("EXT_SUFFIX"))
-    if so.exists():
-        return so
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = so.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *HOST_CXXFLAGS, f"-I{HEADER_DIR}", f"-I{pybind11.get_include()}",
-           f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"building the header harness failed:\n{' '.join(cmd)}\n{res.stderr}")
-    os.replace(tmp, so)
-    return so
+    return host_cpp.build([TESTS_CPP / "header_host.cpp", *_header_sources()], "test_header", "the header harness",
+                          includes=(pybind11.get_include(), sysconfig.get_paths()["include"]),
+                          filename="dsq_header_host" + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
 @pytest.fixture(scope="session")

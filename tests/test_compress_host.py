@@ -13,13 +13,9 @@ races between blocks running at the same time (the design has none: see compress
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import host_cpp
 import pytest
 import torch
 
@@ -30,31 +26,14 @@ from dsaquant.backends.compiled import make_ops
 from dsaquant.reference import compress as rc
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [REPO / "tests/cpp/compress_host.cpp", REPO / "kernels/cuda/compress_body.cuh", REPO / "kernels/cuda/rotate_body.cuh",
+SOURCES = [REPO / "tests/cpp/compress_host.cpp", REPO / "tests/cpp/fibers.h", REPO / "kernels/cuda/compress_body.cuh",
+           REPO / "kernels/cuda/rotate_body.cuh",
            REPO / "kernels/cuda/compress_args.h", *sorted((REPO / "src/include/dsaquant").glob("*.h"))]
-CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _build() -> Path:
-    cxx = os.environ.get("CXX", shutil.which("g++") or "g++")
-    h = hashlib.sha256()
-    for p in SOURCES:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    h.update(" ".join([cxx, *CXXFLAGS, sys.version]).encode())
-    out = REPO / "build" / "test_compress_host" / h.hexdigest()[:16]
-    so = out / "libdsq_compress_host.so"
-    if so.exists():
-        return so
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = so.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *CXXFLAGS, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}", str(SOURCES[0]), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"building the V4 kernel emulator failed:\n{' '.join(cmd)}\n{res.stderr}")
-    os.replace(tmp, so)
-    return so
+    return host_cpp.build(SOURCES, "test_compress_host", "the V4 kernel emulator")
 
 
 class Emulator:
@@ -275,15 +254,7 @@ def test_compress_kv_warp_ranges(ops, emu, name, order):
     ranges), forced here on the small cases."""
     if order == 2 and not name.startswith(("r4_fp4_packed68", "r4_ring", "r4_bad", "r4_specials_hw")):
         pytest.skip("shuffled block order: a few cases")
-    emu.set_compress_mode(2)
-    try:
-        outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, COMPRESS[name], order)
-    finally:
-        emu.set_compress_mode(0)
-    for k in outs_r:
-        if outs_r[k] is not None:
-            _same(f"{name} {k}", outs_e[k], outs_r[k])
-    assert flag_e == flag_r, (flag_e, flag_r)
+    _compare_in_mode(ops, emu, COMPRESS[name], order, 2, name)
 
 
 @pytest.mark.parametrize("mode", [0, 1])
@@ -293,14 +264,20 @@ def test_compress_kv_warp_ranges(ops, emu, name, order):
 def test_compress_kv_many_ranges(ops, emu, case, mode):
     """Calls of more than 512 ranges at ratio 4, whose range blocks the launcher gives one range a warp (mode 0),
     and the same calls one range a block (mode 1)."""
+    _compare_in_mode(ops, emu, case, 2, mode, "many ranges")
+
+
+def _compare_in_mode(ops, emu, case, order, mode, tag):
+    """compress_kv on the emulator with its range mode forced to `mode` (0 the launcher's choice, 1 a range a
+    block, 2 a range a warp) against the reference: every output byte and the error flags."""
     emu.set_compress_mode(mode)
     try:
-        outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, case, 2)
+        outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, case, order)
     finally:
         emu.set_compress_mode(0)
     for k in outs_r:
         if outs_r[k] is not None:
-            _same(f"many ranges {k}", outs_e[k], outs_r[k])
+            _same(f"{tag} {k}", outs_e[k], outs_r[k])
     assert flag_e == flag_r, (flag_e, flag_r)
 
 

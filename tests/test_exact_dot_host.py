@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HEADER_DIR, HOST_CXXFLAGS, REPO
+from conftest import HEADER_DIR, REPO
+from host_cpp import CXXFLAGS
 from dsaquant.reference import prefill as R
 
 SRC = REPO / "tests" / "cpp" / "exact_dot_host.cpp"
@@ -26,7 +27,7 @@ def harness(tmp_path_factory):
     if cxx is None:
         pytest.skip("needs g++")
     exe = tmp_path_factory.mktemp("exact_dot") / "exact_dot_host"
-    flags = [f for f in HOST_CXXFLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in CXXFLAGS if f not in ("-shared", "-fPIC")]
     r = subprocess.run([cxx, *flags, f"-I{HEADER_DIR}", str(SRC), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return exe

@@ -194,6 +194,8 @@ TRITON_CASES = {
     "exact-H64": dict(layout="fp4", exact=True, H=64),
     "topk-fp8": dict(kind="topk", layout="fp8"),
     "topk-exact-relative": dict(kind="topk", layout="fp4", exact=True, relative=True),
+    # 20 rows through a workspace of 8 rows of logits: row chunks of 8, 8 and 4
+    "topk-row-chunks-relative": dict(kind="topk", layout="fp8", relative=True, S=20, workspace_rows=8),
     "gather-fp8_132-pre": dict(kind="gather", layout="fp8_132", pre=True),
     "gather-packed68": dict(kind="gather", layout="packed68"),
     "gather-aiter_fp4": dict(kind="gather", layout="aiter_fp4"),
@@ -219,7 +221,7 @@ def run_triton_case(c):
         assert all(torch.equal(x, y) for x, y in zip(res["reference"][0], res["triton"][0])), "gather bytes differ"
         assert res["reference"][1] and res["triton"][1], "bad pages not flagged"
         return
-    a = make(c["layout"], H=c.get("H", 16), exp_lo=c.get("exp_lo", 120), exp_hi=c.get("exp_hi", 130),
+    a = make(c["layout"], S=c.get("S", 6), H=c.get("H", 16), exp_lo=c.get("exp_lo", 120), exp_hi=c.get("exp_hi", 130),
              fp8_dtype=torch.float8_e4m3fnuz if c.get("fnuz") else torch.float8_e4m3fn)
     if c.get("mixed"):
         a["q_scale"] = mixed_q_exponents(a["q_scale"].shape, torch.Generator().manual_seed(11))
@@ -228,10 +230,19 @@ def run_triton_case(c):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])
         a["k_scale"] = a["k_scale"].view(torch.int32).reshape(-1)
     ks, ke = RANGES
+    if c.get("S"):   # every row a different range, some empty, clamped or negative
+        r = torch.arange(c["S"])
+        ks, ke = r * 7 % 90 - 5, r * 13 % 110
     exact = c.get("exact", False)
     if kind == "topk":
-        got = dsaquant.mqa_topk(ks=ks, ke=ke, topk=12, layout=c["layout"], exact=exact,
-                                relative=c.get("relative", False), backend="triton", **a)
+        from dsaquant.triton import prefill as TP
+        saved = TP.TOPK_WORKSPACE_ELEMS
+        TP.TOPK_WORKSPACE_ELEMS = c.get("workspace_rows", 0) * a["k"].shape[0] or saved
+        try:
+            got = dsaquant.mqa_topk(ks=ks, ke=ke, topk=12, layout=c["layout"], exact=exact,
+                                    relative=c.get("relative", False), backend="triton", **a)
+        finally:
+            TP.TOPK_WORKSPACE_ELEMS = saved
         want = dsaquant.mqa_topk(ks=ks, ke=ke, topk=12, layout=c["layout"], exact=exact,
                                  relative=c.get("relative", False), backend="reference", **a)
         assert torch.equal(got, want), "top-k differs from the reference"

@@ -15,51 +15,30 @@ vary), and the launches themselves.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import dsaquant as dq
+import host_cpp
 from dsaquant.backends import topk_abi
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [REPO / "tests/cpp/topk_host.cpp", REPO / "kernels/cuda/topk_body.cuh", REPO / "kernels/cuda/topk.h",
+SOURCES = [REPO / "tests/cpp/topk_host.cpp", REPO / "tests/cpp/fibers.h", REPO / "kernels/cuda/topk_body.cuh",
+           REPO / "kernels/cuda/topk.h",
            *sorted((REPO / "src/include/dsaquant").glob("*.h"))]
-CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
 POISON = -123456
 
 
 def _build(amd: bool) -> Path:
-    cxx = os.environ.get("CXX", shutil.which("g++") or "g++")
-    flags = CXXFLAGS + (["-DDSQ_TOPK_AMD=1"] if amd else [])
-    h = hashlib.sha256()
-    for p in SOURCES:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    h.update(" ".join([cxx, *flags, sys.version]).encode())
-    out = REPO / "build" / "test_topk_host" / h.hexdigest()[:16]
-    so = out / "libdsq_topk_host.so"
-    if so.exists():
-        return so
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = so.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *flags, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}", str(SOURCES[0]), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"building the top-k emulator failed:\n{' '.join(cmd)}\n{res.stderr}")
-    os.replace(tmp, so)
-    return so
+    return host_cpp.build(SOURCES, "test_topk_host" + ("_amd" if amd else ""), "the top-k emulator",
+                          ("-DDSQ_TOPK_AMD=1",) if amd else ())
 
 
 @pytest.fixture(scope="module", params=["nvidia", "amd"])
 def emu(request):
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    if host_cpp.cxx() is None:
         pytest.skip("no C++ compiler")
     lib = ctypes.CDLL(str(_build(request.param == "amd")))
     lib.dsq_error_string.restype = ctypes.c_char_p
@@ -131,6 +110,9 @@ CASES = {
     # name: (rows, L, k, kind, form, next_n, dtype, chunks)
     "randn-few-long-rows": (4, 24000, 512, "randn", "decode", 1, torch.float32, 5),
     "randn-one-block-a-row": (4, 24000, 512, "randn", "decode", 1, torch.float32, 1),
+    "ties-one-block-a-row": (3, 30000, 700, "ties", "prefill", 1, torch.float32, 1),
+    "zeros-one-block-a-row-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, 1),
+    "specials-one-block-a-row": (4, 10000, 600, "specials", "decode", 2, torch.float32, 1),
     "k2048-planned": (2, 40000, 2048, "randn", "decode", 1, torch.float32, 0),
     "ties-prefill": (3, 30000, 700, "ties", "prefill", 1, torch.float32, 4),
     "zeros-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, 3),

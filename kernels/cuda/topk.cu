@@ -22,7 +22,7 @@ __device__ __forceinline__ unsigned long long shfl_up_u64(unsigned long long v, 
 __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int m) {
   return __shfl_xor_sync(0xFFFFFFFFu, v, m, 32);
 }
-__device__ __forceinline__ void shared_add(int* p, int v) { atomicAdd(p, v); }
+__device__ __forceinline__ int shared_add(int* p, int v) { return atomicAdd(p, v); }
 __device__ __forceinline__ int global_add(int* p, int v) { return atomicAdd(p, v); }
 
 }  // namespace dsqtopk

@@ -4,14 +4,18 @@
 //
 // The includer supplies, in namespace dsqtopk, the SIMT layer: TOPK_FN (the qualifiers of a device function),
 // thread_id(), block_sync(), shfl_up_i / shfl_up_u64 (32-lane groups: lane l gets lane l - off's value, its own
-// for l < off), shfl_xor_u64 (lane l gets lane l ^ m's value), shared_add (an atomic add to shared memory) and global_add (an atomic add to global memory that
-// returns the old value); the platform is DSQ_TOPK_AMD (1: 256-thread blocks and a 4096-word sort buffer).
+// for l < off), shfl_xor_u64 (lane l gets lane l ^ m's value), shared_add and global_add (atomic adds to shared
+// and to global memory, returning the old value); the platform is DSQ_TOPK_AMD (1: 256-thread blocks and a
+// 4096-word sort buffer).
 //
 // Keys: each value becomes the order key, a uint32 that compares like the float (-0.0 taken as +0.0), 0 for NaN,
 // -inf and positions outside the row's span. A selected element is the word (key << 32 | ~position): words are
 // unique and compare in the selection order (value descending, position ascending).
 //
-// One block a row (`chunks` <= 1), row_block:
+// One block a row (`chunks` <= 1), row_block: a 4096-bin shared histogram of the top 12 bits of the row's keys
+// gives the threshold bin b (as in the few-long-rows path below); a second read puts the words of the keys above
+// b and in b into the sort buffer, which is sorted and written. When bin b holds more than the buffer takes (a row
+// of massive ties), the radix selection instead:
 //   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
 //     of the keys matching the digits fixed so far (4 copies, each shared by a quarter of the warps), then a scan
 //     over the 256 bins finds the digit where the count of larger keys reaches the number still wanted. The
@@ -138,10 +142,22 @@ struct ScanShared {
 };
 
 // Shared memory of row_block and finish_block.
+// The threshold bin of a first-digit histogram (threshold_bin): its digit (-1 when every candidate is taken), the
+// count of keys in higher bins and the count in it.
+struct Threshold {
+  int digit, above, in_bin;
+};
+
+// Shared memory of row_block and finish_block.
 struct Shared {
   unsigned long long sort[kSortWords];
-  int hist[kCopies][kBins];   // warp w counts into copy w % kCopies (fewer warps contend per address)
+  union {
+    int digits[kDigits];         // row_block's first-digit histogram
+    int hist[kCopies][kBins];    // select_segment: warp w counts into copy w % kCopies (fewer warps per address)
+  };
   ScanShared scan;
+  Threshold th;
+  int fill[2];
   int digit, above, in_bucket, total;
 };
 
@@ -149,7 +165,7 @@ struct Shared {
 struct ChunkShared {
   int hist[kDigits];
   ScanShared scan;
-  int digit;
+  Threshold th;
   int base[2];
 };
 
@@ -194,6 +210,71 @@ TOPK_FN unsigned long long scan_block_exclusive(unsigned long long v, ScanShared
   total = sh.warp_sums[kWarps - 1];
   block_sync();
   return before + x - v;
+}
+
+// The threshold bin of the first-digit histogram h[kDigits] (shared or global memory): the bin where the count
+// of keys in higher bins reaches k (th.digit = -1, th.above = all, when there are at most k keys). Every thread
+// calls it; th is valid on return.
+TOPK_FN void threshold_bin(const int* h, int64_t k, ScanShared& scan, Threshold& th) {
+  const int tid = thread_id();
+  // thread t holds bins kDigits - 1 - (t * kDigitsPerThread + j), j = 0.., from the top
+  int v[kDigitsPerThread];
+  int sum = 0;
+  DSQ_UNROLL
+  for (int j = 0; j < kDigitsPerThread; ++j) {
+    v[j] = h[kDigits - 1 - (tid * kDigitsPerThread + j)];
+    sum += v[j];
+  }
+  unsigned long long total;
+  int above = static_cast<int>(scan_block_exclusive(static_cast<unsigned long long>(sum), scan, total));
+  if (tid == 0) th = Threshold{-1, static_cast<int>(total), 0};
+  block_sync();
+  if (total > static_cast<unsigned long long>(k)) {
+    DSQ_UNROLL
+    for (int j = 0; j < kDigitsPerThread; ++j) {
+      if (above < k && above + v[j] >= k) th = Threshold{kDigits - 1 - (tid * kDigitsPerThread + j), above, v[j]};
+      above += v[j];
+    }
+  }
+  block_sync();
+}
+
+// Counts the keys at [lo, hi) of `row` into the first-digit histogram `digits` (zeroed here).
+template <int DT>
+TOPK_FN void count_digits(const void* row, int64_t lo, int64_t hi, int* digits) {
+  for (int b = thread_id(); b < kDigits; b += kThreads) digits[b] = 0;
+  block_sync();
+  DSQ_UNROLL_N(8)
+  for (int64_t p = lo + thread_id(); p < hi; p += kThreads) {
+    const uint32_t key = load_key<DT>(row, p);
+    if (key) shared_add(&digits[key >> kDigitShift], 1);
+  }
+  block_sync();
+}
+
+// One tile of N keys a thread: key j at position pos(j), 0 from `end` on. Returns the flags (bit j: key j's top
+// bits, key >> shift, are above t; bit 16 + j: equal to t; never for key 0) and sets `ex` to the block-exclusive
+// scan of the thread's (equal << 32 | above) counts and `total` to the tile's.
+template <int DT, int N, class Pos>
+TOPK_FN unsigned classify_tile(const void* row, Pos pos, int64_t end, int shift, int64_t t, uint32_t (&keys)[N],
+                               ScanShared& scan, unsigned long long& ex, unsigned long long& total) {
+  static_assert(N <= 16, "flag bits");
+  unsigned flags = 0u;
+  int ngt = 0, neq = 0;
+  DSQ_UNROLL
+  for (int j = 0; j < N; ++j) {
+    const int64_t p = pos(j);
+    keys[j] = p < end ? load_key<DT>(row, p) : 0u;
+    const int64_t top = static_cast<int64_t>(keys[j] >> shift);
+    const bool gt = keys[j] != 0u && top > t;
+    const bool eq = keys[j] != 0u && top == t;
+    flags |= (gt ? 1u : 0u) << j;
+    flags |= (eq ? 1u : 0u) << (16 + j);
+    ngt += gt;
+    neq += eq;
+  }
+  ex = scan_block_exclusive((static_cast<unsigned long long>(neq) << 32) | static_cast<unsigned>(ngt), scan, total);
+  return flags;
 }
 
 // The one-block selection of the keys at [start, start + n) of `row`: the min(k, candidates) largest words,
@@ -245,29 +326,16 @@ TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_
   int taken = 0, eq_seen = 0;
   for (int32_t base = 0; base < n; base += kTile) {
     uint32_t keys[kItems];
-    unsigned flags = 0u;    // bit j: above; bit 8 + j: equal
-    int ngt = 0, neq = 0;
-    DSQ_UNROLL
-    for (int j = 0; j < kItems; ++j) {
-      const int32_t i = base + tid * kItems + j;
-      keys[j] = i < n ? load_key<DT>(row, start + i) : 0u;
-      const uint32_t hi = keys[j] >> lvl;
-      const bool gt = keys[j] != 0u && hi > t_hi;
-      const bool eq = keys[j] != 0u && hi == t_hi;
-      flags |= (gt ? 1u : 0u) << j;
-      flags |= (eq ? 1u : 0u) << (8 + j);
-      ngt += gt;
-      neq += eq;
-    }
-    unsigned long long tile_total;
-    const unsigned long long ex = scan_block_exclusive(
-        (static_cast<unsigned long long>(neq) << 32) | static_cast<unsigned>(ngt), sh.scan, tile_total);
+    unsigned long long ex, tile_total;
+    const int64_t first = start + base + tid * kItems;   // consecutive keys a thread: position order
+    const unsigned flags = classify_tile<DT>(row, [first](int j) { return first + j; }, start + n, lvl, t_hi, keys,
+                                             sh.scan, ex, tile_total);
     int gt_before = static_cast<int>(ex & 0xFFFFFFFFull);
     int eq_before = static_cast<int>(ex >> 32);
     const int eq_room = want - eq_seen > 0 ? want - eq_seen : 0;   // equal keys still to take
     DSQ_UNROLL
     for (int j = 0; j < kItems; ++j) {
-      const bool gt = (flags >> j) & 1u, eq = (flags >> (8 + j)) & 1u;
+      const bool gt = (flags >> j) & 1u, eq = (flags >> (16 + j)) & 1u;
       if (gt || (eq && eq_before < eq_room)) {
         const int slot = taken + gt_before + (eq_before < eq_room ? eq_before : eq_room);
         sh.sort[slot] = word_of(keys[j], start + base + tid * kItems + j);
@@ -377,8 +445,30 @@ template <int DT>
 TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   int64_t start, end;
   row_span(a, row, start, end);
-  const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
-  sort_and_write(a, row, a.relative ? static_cast<int32_t>(start) : 0, taken, sh);
+  const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
+  const void* const src = row_ptr(a, row);
+  count_digits<DT>(src, start, end, sh.digits);
+  threshold_bin(sh.digits, a.k, sh.scan, sh.th);
+  const Threshold th = sh.th;
+  int32_t taken;
+  if (th.above + th.in_bin <= kSortWords) {
+    // the keys above the threshold bin into sh.sort[0, above), those in it after them, in any order
+    if (thread_id() == 0) {
+      sh.fill[0] = 0;
+      sh.fill[1] = th.above;
+    }
+    block_sync();
+    DSQ_UNROLL_N(4)
+    for (int64_t p = start + thread_id(); p < end; p += kThreads) {
+      const uint32_t key = load_key<DT>(src, p);
+      const int64_t d = static_cast<int64_t>(key >> kDigitShift);
+      if (key != 0u && d >= th.digit) sh.sort[shared_add(&sh.fill[d > th.digit ? 0 : 1], 1)] = word_of(key, p);
+    }
+    taken = th.above + th.in_bin;
+  } else {
+    taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
+  }
+  sort_and_write(a, row, rel, taken, sh);
 }
 
 // Block `bid` of the rows x chunks grid: row bid / chunks, its share [lo, hi) of the row's span.
@@ -400,15 +490,7 @@ TOPK_FN void hist_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, Chunk
   int64_t row, lo, hi;
   chunk_range(a, chunks, bid, row, lo, hi);
   const Workspace w = workspace_of(a.workspace, a.rows, a.k);
-  for (int b = thread_id(); b < kDigits; b += kThreads) sh.hist[b] = 0;
-  block_sync();
-  const void* const src = row_ptr(a, row);
-  DSQ_UNROLL_N(8)
-  for (int64_t p = lo + thread_id(); p < hi; p += kThreads) {
-    const uint32_t key = load_key<DT>(src, p);
-    if (key) shared_add(&sh.hist[key >> kDigitShift], 1);
-  }
-  block_sync();
+  count_digits<DT>(row_ptr(a, row), lo, hi, sh.hist);
   int* const dst = w.hist + row * kDigits;
   for (int b = thread_id(); b < kDigits; b += kThreads) {
     const int h = sh.hist[b];
@@ -425,28 +507,8 @@ TOPK_FN void scatter_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, Ch
   chunk_range(a, chunks, bid, row, lo, hi);
   const Workspace w = workspace_of(a.workspace, a.rows, a.k);
 
-  // thread t holds bins kDigits - 1 - (t * kDigitsPerThread + j), j = 0.., from the top
-  const int* const h = w.hist + row * kDigits;
-  int v[kDigitsPerThread];
-  int sum = 0;
-  DSQ_UNROLL
-  for (int j = 0; j < kDigitsPerThread; ++j) {
-    v[j] = h[kDigits - 1 - (tid * kDigitsPerThread + j)];
-    sum += v[j];
-  }
-  unsigned long long total;
-  int above = static_cast<int>(scan_block_exclusive(static_cast<unsigned long long>(sum), sh.scan, total));
-  if (tid == 0) sh.digit = -1;                // at most k candidates: every key is above "bin -1"
-  block_sync();
-  if (total > static_cast<unsigned long long>(a.k)) {
-    DSQ_UNROLL
-    for (int j = 0; j < kDigitsPerThread; ++j) {
-      if (above < a.k && above + v[j] >= a.k) sh.digit = kDigits - 1 - (tid * kDigitsPerThread + j);
-      above += v[j];
-    }
-  }
-  block_sync();
-  const int digit = sh.digit;
+  threshold_bin(w.hist + row * kDigits, a.k, sh.scan, sh.th);
+  const int digit = sh.th.digit;
 
   const void* const src = row_ptr(a, row);
   unsigned long long* const above_list = w.above + row * a.k;
@@ -454,23 +516,10 @@ TOPK_FN void scatter_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, Ch
   // keys strided over the block (coalesced loads): the lists are unordered, the finish sorts them
   for (int64_t base = lo; base < hi; base += kScatterTile) {
     uint32_t keys[kScatterItems];
-    unsigned flags = 0u;    // bit j: above; bit 16 + j: in the threshold bin
-    int ngt = 0, neq = 0;
-    DSQ_UNROLL
-    for (int j = 0; j < kScatterItems; ++j) {
-      const int64_t p = base + j * kThreads + tid;
-      keys[j] = p < hi ? load_key<DT>(src, p) : 0u;
-      const int d = static_cast<int>(keys[j] >> kDigitShift);
-      const bool gt = keys[j] != 0u && d > digit;
-      const bool eq = keys[j] != 0u && d == digit;
-      flags |= (gt ? 1u : 0u) << j;
-      flags |= (eq ? 1u : 0u) << (16 + j);
-      ngt += gt;
-      neq += eq;
-    }
-    unsigned long long tile_total;
-    const unsigned long long ex = scan_block_exclusive(
-        (static_cast<unsigned long long>(neq) << 32) | static_cast<unsigned>(ngt), sh.scan, tile_total);
+    unsigned long long ex, tile_total;
+    const int64_t first = base + tid;
+    const unsigned flags = classify_tile<DT>(src, [first](int j) { return first + j * kThreads; }, hi, kDigitShift,
+                                             digit, keys, sh.scan, ex, tile_total);
     if (tid == 0) {
       const int tile_gt = static_cast<int>(tile_total & 0xFFFFFFFFull), tile_eq = static_cast<int>(tile_total >> 32);
       sh.base[0] = tile_gt ? global_add(&w.counts[row * 2], tile_gt) : 0;

@@ -1,16 +1,14 @@
 // Host emulator of the DeepSeek-V4 kernels (kernels/cuda/compress_body.cuh), for tests only.
 //
-// The kernel bodies run unchanged on the CPU: every thread of a block is a cooperative fiber (ucontext), the
-// block barrier and the 32-lane warp shuffles are rendezvous points of the fibers, and the blocks of a grid run
-// one after another in a chosen order (forward, reverse or shuffled), so that results must not depend on the
-// order of blocks. A shuffle that not every lane of its warp reaches (undefined on a GPU) is reported as an
-// error instead of hanging. Pointers are host pointers (CPU torch tensors): the Python glue
+// The kernel bodies run unchanged on the CPU under the block emulator of tests/cpp/fibers.h: every thread of a
+// block is a cooperative fiber, the block barrier and the 32-lane warp shuffles are rendezvous points, and the
+// blocks of a grid run one after another in a chosen order (forward, reverse or shuffled), so that results must
+// not depend on the order of blocks. A shuffle that not every lane of its warp reaches (undefined on a GPU) is
+// reported as an error instead of hanging. Pointers are host pointers (CPU torch tensors): the Python glue
 // (python/dsaquant/backends/compiled.py make_ops) drives this library through the same C interface as
 // libdsaquant_cuda.so (dsaquant/abi.h: dsq_compress_kv, dsq_rope_rotate_quant, dsq_error_string), plus the
 // dsq_emu_* entry points below for the tests. An error (a C++ exception) returns 1; dsq_error_string(1) names it.
 // Built by tests/test_compress_host.py with g++ -O2 -std=c++17 -ffp-contract=off -fno-fast-math (SPEC §0).
-#include <ucontext.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -24,155 +22,17 @@
 #include <vector>
 
 #include "compress_args.h"
-
-namespace emu {
-
-constexpr int kN = 256;                  // threads per block (compress_body.cuh kThreads)
-constexpr size_t kStack = 256 * 1024;    // bytes of stack per fiber
-
-struct Fiber {
-  ucontext_t ctx;
-  bool done = false;
-  const int* wait_gen = nullptr;   // blocked until *wait_gen != wait_val
-  int wait_val = 0;
-};
-
-struct Block {
-  Fiber f[kN];
-  ucontext_t sched;
-  int cur = 0;
-  int64_t bid = 0;
-  int alive = kN;
-  int blk_count = 0, blk_gen = 0;
-  int warp_count[kN / 32] = {}, warp_gen[kN / 32] = {};
-  float slot_f[kN / 32][32] = {};
-  int slot_i[kN / 32][32] = {};
-  std::function<void()> body;
-};
-
-std::vector<char>& stacks() {
-  static std::vector<char> s(kStack * kN);
-  return s;
-}
-Block* g = nullptr;
-
-void yield_until_changed(const int* gen) {
-  Fiber& f = g->f[g->cur];
-  f.wait_gen = gen;
-  f.wait_val = *gen;
-  swapcontext(&f.ctx, &g->sched);
-}
-
-void release_block_if_all_arrived() {
-  if (g->blk_count > 0 && g->blk_count == g->alive) {
-    g->blk_count = 0;
-    ++g->blk_gen;
-  }
-}
-
-void block_barrier() {
-  ++g->blk_count;
-  const int* gen = &g->blk_gen;
-  const int my = *gen;
-  release_block_if_all_arrived();
-  if (*gen == my) yield_until_changed(gen);
-}
-
-void warp_barrier(int w) {
-  const int my = g->warp_gen[w];
-  if (++g->warp_count[w] == 32) {
-    g->warp_count[w] = 0;
-    ++g->warp_gen[w];
-    return;
-  }
-  if (g->warp_gen[w] == my) yield_until_changed(&g->warp_gen[w]);
-}
-
-template <class T, class Slots>
-T shuffle(Slots& slots, T v, int s) {
-  const int tid = g->cur, w = tid / 32, lane = tid % 32;
-  slots[w][lane] = v;
-  warp_barrier(w);                       // every lane has published
-  const T r = slots[w][lane ^ s];
-  warp_barrier(w);                       // every lane has read
-  return r;
-}
-
-void entry() {
-  g->body();
-  g->f[g->cur].done = true;
-  --g->alive;
-  release_block_if_all_arrived();        // exited threads no longer hold a block barrier
-}
-
-// Run one block of n (a multiple of 32, at most kN) fibers until all return; throws on a deadlock (a divergent
-// barrier or shuffle).
-void run_block(int64_t bid, const std::function<void()>& body, int n = kN) {
-  Block& b = *g;
-  b.bid = bid;
-  b.alive = n;
-  b.blk_count = 0;
-  std::fill(std::begin(b.warp_count), std::end(b.warp_count), 0);
-  b.body = body;
-  for (int t = 0; t < n; ++t) {
-    Fiber& f = b.f[t];
-    f.done = false;
-    f.wait_gen = nullptr;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stacks().data() + kStack * t;
-    f.ctx.uc_stack.ss_size = kStack;
-    f.ctx.uc_link = &b.sched;
-    makecontext(&f.ctx, entry, 0);
-  }
-  for (;;) {
-    bool ran = false, all_done = true;
-    for (int t = 0; t < n; ++t) {
-      Fiber& f = b.f[t];
-      if (f.done) continue;
-      all_done = false;
-      if (f.wait_gen && *f.wait_gen == f.wait_val) continue;
-      f.wait_gen = nullptr;
-      b.cur = t;
-      ran = true;
-      swapcontext(&b.sched, &f.ctx);
-    }
-    if (all_done) return;
-    if (!ran) {
-      int waiting = 0;
-      for (int t = 0; t < n; ++t) waiting += !b.f[t].done;
-      throw std::runtime_error("emulated block " + std::to_string(bid) + ": deadlock, " + std::to_string(waiting) +
-                               " threads wait at a barrier or shuffle that the others never reach");
-    }
-  }
-}
-
-int g_order = 0;            // 0 forward, 1 reverse, 2 shuffled
-uint64_t g_seed = 0;
-
-void run_grid(int64_t n, const std::function<void(int64_t)>& block) {
-  std::vector<int64_t> ids(static_cast<size_t>(n));
-  std::iota(ids.begin(), ids.end(), int64_t{0});
-  if (g_order == 1) std::reverse(ids.begin(), ids.end());
-  if (g_order == 2) {
-    std::mt19937_64 rng(g_seed++);
-    std::shuffle(ids.begin(), ids.end(), rng);
-  }
-  static Block blk;
-  g = &blk;
-  for (int64_t id : ids) block(id);
-}
-
-}  // namespace emu
+#include "fibers.h"
 
 namespace dsqv4 {
 #define V4_FN inline
 #define V4_UNROLL
 #define V4_NO_UNROLL
-inline int thread_id() { return emu::g->cur; }
-inline int64_t block_id() { return emu::g->bid; }
+inline int thread_id() { return emu::thread_id(); }
+inline int64_t block_id() { return emu::block_id(); }
 inline void block_sync() { emu::block_barrier(); }
-inline float shfl_xor(float v, int s) { return emu::shuffle(emu::g->slot_f, v, s); }
-inline int shfl_xor_i(int v, int s) { return emu::shuffle(emu::g->slot_i, v, s); }
+inline float shfl_xor(float v, int s) { return emu::shuffle_xor(v, s); }
+inline int shfl_xor_i(int v, int s) { return emu::shuffle_xor(v, s); }
 inline void atomic_or(int* p, int v) { *p |= v; }
 inline void prefetch_l1(const void*) {}
 inline void ld16(const void* p, uint32_t (&w)[4]) { std::memcpy(w, p, 16); }
@@ -210,7 +70,7 @@ template <int K, int D, int MODE>
 void compress_grid_run(const dsqv4::CompressArgs& a) {
   emu::run_grid(dsqv4::compress_grid(a, MODE == dsqv4::kRangeWarp), [&](int64_t bid) {
     dsqv4::CompressSmem sm;
-    emu::run_block(bid, [&] { dsqv4::compress_block<K, D, MODE>(a, sm); });
+    emu::run_block(bid, dsqv4::kThreads, [&] { dsqv4::compress_block<K, D, MODE>(a, sm); });
   });
 }
 
@@ -245,7 +105,7 @@ void pool_rows_run(const dsqv4::CompressArgs& a, const int64_t* bs, int64_t n, f
     const int64_t i = bs[3 * r], p = bs[3 * r + 1], b = bs[3 * r + 2];
     dsqv4::CompressSmem sm;
     emu::run_grid(1, [&](int64_t) {
-      emu::run_block(0, [&] {
+      emu::run_block(0, dsqv4::kThreads, [&] {
         const dsqv4::Seq q = dsqv4::seq_of(a, b);
         if constexpr (K <= 8 && D == 128) {
           if (g_compress_force == 2) {   // the warp pool (range mode `warp`) on warp 0
@@ -286,7 +146,7 @@ template <int V>
 void warp_op_run(float* x, int64_t count, int op) {
   const int64_t rows = count / (32 * V);
   emu::run_grid((rows + 7) / 8, [&](int64_t bid) {
-    emu::run_block(bid, [&] {
+    emu::run_block(bid, dsqv4::kThreads, [&] {
       const int tid = dsqv4::thread_id(), lane = tid & 31;
       const int64_t r = bid * 8 + (tid >> 5);
       if (r >= rows) return;
@@ -325,7 +185,7 @@ void rotate_grid_run(const dsqv4::RotateArgs& a) {
   const rot::Run run = rot::rotate_run(a, V);
   emu::run_grid(rot::rotate_grid(a, V), [&](int64_t bid) {
     rot::RotateSmem sm;
-    emu::run_block(bid, [&] { rot::rotate_block<D, V, rot::kAnyMode>(a, run, sm); }, rot::kThreads);
+    emu::run_block(bid, rot::kThreads, [&] { rot::rotate_block<D, V, rot::kAnyMode>(a, run, sm); });
   });
 }
 
@@ -373,8 +233,8 @@ DSQ_API void dsq_emu_set_rotate_v(int v) { g_rotate_v = v; }
 DSQ_API void dsq_emu_set_compress_mode(int force) { g_compress_force = force; }
 // The order of the blocks of a grid: 0 in order, 1 reversed, 2 shuffled (seeded).
 DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) {
-  emu::g_order = order;
-  emu::g_seed = seed;
+  emu::grid_order() = order;
+  emu::grid_seed() = seed;
 }
 
 }  // extern "C"

@@ -1,5 +1,5 @@
 """Ragged prefill scoring in Triton (docs/prefill.md): `mqa_logits` (FP8, FP4, exact FP4), `mqa_topk`
-(key chunks of the same kernel merged into a running top-k) and `gather_index_cache`.
+(row chunks of the same kernel's logits, each selected by topk_indices) and `gather_index_cache`.
 
 mqa_logits kernel (one kernel; the layout is a constexpr):
   * grid = (row blocks, key splits). Program (qb, sp) owns rows i0 .. i0+BQ-1 (BQ*H query rows, head
@@ -40,7 +40,6 @@ import triton.language as tl
 from . import formats as F
 from . import layouts as L
 from .scorer import _cdiv, _device_info, _dev_index, _e2m1_value, _fp4_dequant, _fp8_decode, native_fp8_for
-from ..reference import prefill as refp
 
 LAYOUT_IDS = {"fp8": 0, "fp4": 1, "fp4_exact": 2}
 TOL_FAST = 3e-5
@@ -451,31 +450,37 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     return out
 
 
-def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_flavour, exact, *, key_chunk=None,
-             row_chunk=None, **knobs):
-    """The Triton backend of dsaquant.mqa_topk: key chunks of `key_chunk` keys scored by the logits kernel into
-    a [row_chunk, key_chunk] fp32 workspace and merged into the running top-k (reference/prefill.topk_chunked).
-    Memory: S*topk*8 bytes of running keys plus the workspace and the merge's [row_chunk, key_chunk + topk]."""
-    S, H, SKV = q.shape[0], q.shape[1], k.shape[0]
-    dev = q.device
-    C = int(key_chunk or min(max(SKV, 1), 32768))
-    Rc = int(row_chunk or max(1, min(S, (1 << 24) // (C + topk))))
-    if row_chunk is None and Rc < S:
-        Rc = max(8, Rc // 8 * 8)      # row blocks aligned as in mqa_logits (block_q <= 8): the same per-tile paths
-    ws = torch.empty((Rc, C), dtype=torch.float32, device=dev)
-    zeros = torch.zeros(Rc, dtype=torch.int32, device=dev)
-    full_hi = torch.full((Rc,), C, dtype=torch.int32, device=dev)
+TOPK_WORKSPACE_ELEMS = 1 << 26   # fp32 logits of one row chunk in mqa_topk: 256 MiB
 
-    def chunk_logits(r0, r1, j0, j1):
+
+def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_flavour, exact, *, row_chunk=None,
+             **knobs):
+    """The Triton backend of dsaquant.mqa_topk: rows in chunks of R whose fp32 logits [R, SKV] (this module's
+    mqa_logits, -inf outside each row's [lo, hi)) fill a workspace of at most TOPK_WORKSPACE_ELEMS elements (at
+    least one row), each chunk selected by dsaquant.topk_indices on the device's fastest backend for it (the
+    same positions as mqa_logits followed by topk_indices). Memory: the int32 [S, topk] result plus the
+    workspace (and the selection's own scratch)."""
+    from .. import dispatch
+
+    S, SKV = q.shape[0], k.shape[0]
+    dev = q.device
+    R = int(row_chunk or max(1, min(S, TOPK_WORKSPACE_ELEMS // max(SKV, 1))))
+    if row_chunk is None and R < S:
+        R = max(8, R // 8 * 8)      # row blocks aligned as in mqa_logits (block_q <= 8): the same per-tile paths
+    ws = torch.empty((min(R, S), SKV), dtype=torch.float32, device=dev)
+    zeros = torch.zeros(min(R, S), dtype=torch.int32, device=dev)
+    out = torch.empty((S, topk), dtype=torch.int32, device=dev)
+    select = dispatch.get(dispatch.choose_for("topk_indices", dev, None, min(R, S)), "topk_indices")
+    for r0 in range(0, S, R):
+        r1 = min(S, r0 + R)
         n = r1 - r0
         qs = q_scale[r0:r1] if q_scale is not None else None
-        out = ws[:n, :j1 - j0]
-        mqa_logits(q[r0:r1], qs, k[j0:j1], k_scale[j0:j1], weights[r0:r1], zeros[:n],
-                   torch.clamp(full_hi[:n], max=j1 - j0), zeros[:n], out, layout, fp8_flavour, exact, True, False,
-                   **knobs)
-        return out
-
-    return refp.topk_chunked(chunk_logits, S, SKV, topk, lo, hi, base, C, Rc, dev)
+        mqa_logits(q[r0:r1], qs, k, k_scale, weights[r0:r1], lo[r0:r1], hi[r0:r1], zeros[:n], ws[:n], layout,
+                   fp8_flavour, exact, True, False, **knobs)
+        part = out[r0:r1]
+        select(ws[:n], topk, None, 1, lo[r0:r1], hi[r0:r1], False, part)
+        part.sub_(torch.where(part >= 0, base[r0:r1, None].to(torch.int32), 0))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,189 @@
+// tests/cpp/fibers.h: the host emulator of GPU thread blocks that the kernel-body tests share
+// (tests/cpp/compress_host.cpp, tests/cpp/topk_host.cpp).
+//
+// Every thread of a block is a cooperative fiber (ucontext). The block barrier and the 32-lane shuffles are
+// rendezvous points: a fiber runs until it reaches one, then the next fiber runs; fibers switch nowhere else,
+// so an atomic read-modify-write is a plain one here. The blocks of a grid run one after another in a chosen
+// order (forward, reverse or shuffled), so that results that depend on the order of blocks show. A barrier or
+// shuffle that not every thread reaches (undefined on a GPU) is an error (a C++ exception) instead of a hang.
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace emu {
+
+constexpr int kMaxThreads = 1024;
+constexpr size_t kStacks = 64u << 20;   // bytes of fiber stacks, split evenly between a block's threads
+
+struct Fiber {
+  ucontext_t ctx;
+  bool done = false;
+  const int* wait_gen = nullptr;   // blocked until *wait_gen != wait_val
+  int wait_val = 0;
+};
+
+struct Block {
+  Fiber f[kMaxThreads];
+  ucontext_t sched;
+  int cur = 0;
+  int64_t bid = 0;
+  int alive = 0;
+  int blk_count = 0, blk_gen = 0;
+  int warp_count[kMaxThreads / 32] = {}, warp_gen[kMaxThreads / 32] = {};
+  uint64_t slot[kMaxThreads / 32][32] = {};
+  std::function<void()> body;
+};
+
+inline std::vector<char>& stacks() {
+  static std::vector<char> s(kStacks);
+  return s;
+}
+inline Block*& current() {
+  static Block* g = nullptr;
+  return g;
+}
+inline int thread_id() { return current()->cur; }
+inline int64_t block_id() { return current()->bid; }
+
+inline void yield_until_changed(const int* gen) {
+  Block* g = current();
+  Fiber& f = g->f[g->cur];
+  f.wait_gen = gen;
+  f.wait_val = *gen;
+  swapcontext(&f.ctx, &g->sched);
+}
+
+inline void release_block_if_all_arrived() {
+  Block* g = current();
+  if (g->blk_count > 0 && g->blk_count == g->alive) {
+    g->blk_count = 0;
+    ++g->blk_gen;
+  }
+}
+
+inline void block_barrier() {
+  Block* g = current();
+  ++g->blk_count;
+  const int* gen = &g->blk_gen;
+  const int my = *gen;
+  release_block_if_all_arrived();
+  if (*gen == my) yield_until_changed(gen);
+}
+
+inline void warp_barrier(int w) {
+  Block* g = current();
+  const int my = g->warp_gen[w];
+  if (++g->warp_count[w] == 32) {
+    g->warp_count[w] = 0;
+    ++g->warp_gen[w];
+    return;
+  }
+  if (g->warp_gen[w] == my) yield_until_changed(&g->warp_gen[w]);
+}
+
+// A 32-lane exchange: every lane publishes v, then reads the value of lane src(lane) (its own when src returns
+// a negative lane). T: any trivially copyable type of at most 8 bytes.
+template <class T, class Src>
+T exchange(T v, Src src) {
+  static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "shuffled values are 8 bytes at most");
+  Block* g = current();
+  const int tid = g->cur, w = tid / 32, lane = tid % 32;
+  std::memcpy(&g->slot[w][lane], &v, sizeof(T));
+  warp_barrier(w);                       // every lane has published
+  const int from = src(lane);
+  T r = v;
+  if (from >= 0) std::memcpy(&r, &g->slot[w][from], sizeof(T));
+  warp_barrier(w);                       // every lane has read
+  return r;
+}
+template <class T>
+T shuffle_xor(T v, int m) { return exchange(v, [m](int lane) { return lane ^ m; }); }
+template <class T>
+T shuffle_up(T v, int off) { return exchange(v, [off](int lane) { return lane >= off ? lane - off : -1; }); }
+
+inline void entry() {
+  Block* g = current();
+  g->body();
+  g->f[g->cur].done = true;
+  --g->alive;
+  release_block_if_all_arrived();        // exited threads no longer hold a block barrier
+}
+
+// Runs one block of n threads (a multiple of 32, at most kMaxThreads) until all return; throws on a deadlock.
+inline void run_block(int64_t bid, int n, const std::function<void()>& body) {
+  if (n <= 0 || n % 32 || n > kMaxThreads) throw std::invalid_argument("emulated block size " + std::to_string(n));
+  Block& b = *current();
+  const size_t stack = kStacks / static_cast<size_t>(n);
+  b.bid = bid;
+  b.alive = n;
+  b.blk_count = 0;
+  std::fill(std::begin(b.warp_count), std::end(b.warp_count), 0);
+  b.body = body;
+  for (int t = 0; t < n; ++t) {
+    Fiber& f = b.f[t];
+    f.done = false;
+    f.wait_gen = nullptr;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stacks().data() + stack * t;
+    f.ctx.uc_stack.ss_size = stack;
+    f.ctx.uc_link = &b.sched;
+    makecontext(&f.ctx, entry, 0);
+  }
+  for (;;) {
+    bool ran = false, all_done = true;
+    for (int t = 0; t < n; ++t) {
+      Fiber& f = b.f[t];
+      if (f.done) continue;
+      all_done = false;
+      if (f.wait_gen && *f.wait_gen == f.wait_val) continue;
+      f.wait_gen = nullptr;
+      b.cur = t;
+      ran = true;
+      swapcontext(&b.sched, &f.ctx);
+    }
+    if (all_done) return;
+    if (!ran) {
+      int waiting = 0;
+      for (int t = 0; t < n; ++t) waiting += !b.f[t].done;
+      throw std::runtime_error("emulated block " + std::to_string(bid) + ": deadlock, " + std::to_string(waiting) +
+                               " threads wait at a barrier or shuffle that the others never reach");
+    }
+  }
+}
+
+// The order of blocks in run_grid: 0 forward, 1 reverse, 2 shuffled (seeded; the seed advances per grid).
+inline int& grid_order() {
+  static int order = 0;
+  return order;
+}
+inline uint64_t& grid_seed() {
+  static uint64_t seed = 0;
+  return seed;
+}
+
+// Calls block(id) for the ids 0..n-1 in the chosen order; block(id) runs the block (run_block).
+inline void run_grid(int64_t n, const std::function<void(int64_t)>& block) {
+  std::vector<int64_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), int64_t{0});
+  if (grid_order() == 1) std::reverse(ids.begin(), ids.end());
+  if (grid_order() == 2) {
+    std::mt19937_64 rng(grid_seed()++);
+    std::shuffle(ids.begin(), ids.end(), rng);
+  }
+  static Block blk;
+  current() = &blk;
+  for (int64_t id : ids) block(id);
+}
+
+}  // namespace emu

@@ -1,0 +1,47 @@
+"""Builds a host C++ test library (a kernel-body emulator of tests/cpp/) with g++, cached under build/ by the hash
+of its sources, flags and Python version, so that a test session compiles each configuration once."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# SPEC §0.1 / §0.6: no contraction, no fast-math, no flush-to-zero.
+CXXFLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall"]
+
+
+def cxx() -> str | None:
+    """The C++ compiler ($CXX or g++), or None when there is none."""
+    c = os.environ.get("CXX", "g++")
+    return shutil.which(c)
+
+
+def build(sources: list[Path], name: str, what: str, extra_flags: tuple[str, ...] = (), includes: tuple[str, ...] = (),
+          filename: str | None = None) -> Path:
+    """The shared library build/<name>/<hash>/<filename> (default lib<name>.so) of sources[0] (the others: what
+    it includes, for the hash), compiled with CXXFLAGS + extra_flags and the include dirs src/include,
+    kernels/cuda and `includes`. Raises RuntimeError naming `what` when the compile fails."""
+    compiler = cxx() or "g++"
+    flags = [*CXXFLAGS, *extra_flags, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}",
+             *(f"-I{d}" for d in includes)]
+    h = hashlib.sha256()
+    for p in sources:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join([compiler, *flags, sys.version]).encode())
+    out = REPO / "build" / name / h.hexdigest()[:16]
+    so = out / (filename or f"lib{name}.so")
+    if so.exists():
+        return so
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = so.with_suffix(f".tmp{os.getpid()}")
+    cmd = [compiler, *flags, str(sources[0]), "-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"building {what} failed:\n{' '.join(cmd)}\n{res.stderr}")
+    os.replace(tmp, so)
+    return so
