@@ -187,8 +187,8 @@ __device__ __forceinline__ void fp4_quant(unsigned mask, const float (&v)[16], u
 // The same for bf16 inputs on NVIDIA (sm_80+), two values per operation (e2m1x8.h): xa[j] holds the
 // lane's a values j and j + 4 (xb: its b values), bf16. The block amax is a bf16x2 max (exact; a NaN
 // is ignored, an all-NaN block gives 0), the a and b blocks' in one word through the shuffles.
-#if defined(DSQ_BF16X2_NATIVE)
-constexpr bool kPackedFp4Native = true;
+#if defined(DSQ_BF16X2_NATIVE) || defined(DSQ_HOST_BF16X2_PATH)   // (the tests' host emulator: on e2m1x8.h's exact
+constexpr bool kPackedFp4Native = true;                           // emulation of the bf16x2 operations)
 #else
 constexpr bool kPackedFp4Native = false;
 #endif

@@ -41,6 +41,7 @@ struct Block {
   int alive = 0;
   int blk_count = 0, blk_gen = 0;
   int warp_count[kMaxThreads / 32] = {}, warp_gen[kMaxThreads / 32] = {};
+  int group_count[kMaxThreads / 32][32] = {}, group_gen[kMaxThreads / 32][32] = {};   // by the group's first lane
   uint64_t slot[kMaxThreads / 32][32] = {};
   std::function<void()> body;
 };
@@ -109,6 +110,37 @@ T exchange(T v, Src src) {
 }
 template <class T>
 T shuffle_xor(T v, int m) { return exchange(v, [m](int lane) { return lane ^ m; }); }
+
+// A shuffle among the lanes of `mask` only (CUDA's *_sync with a partial mask): every lane of the mask publishes
+// v, then reads lane (l ^ m)'s value, which must be in the mask. Lanes outside the mask may have exited or be at
+// other shuffles.
+template <class T>
+T shuffle_xor_in(unsigned mask, T v, int m) {
+  static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "shuffled values are 8 bytes at most");
+  Block* g = current();
+  const int tid = g->cur, w = tid / 32, lane = tid % 32;
+  if (!(mask >> lane & 1u) || !(mask >> (lane ^ m) & 1u))
+    throw std::runtime_error("emulated shuffle: lane " + std::to_string(lane) + " ^ " + std::to_string(m) +
+                             " outside the mask " + std::to_string(mask));
+  const int first = __builtin_ctz(mask), n = __builtin_popcount(mask);
+  auto barrier = [&] {
+    int& count = g->group_count[w][first];
+    int& gen = g->group_gen[w][first];
+    const int my = gen;
+    if (++count == n) {
+      count = 0;
+      ++gen;
+      return;
+    }
+    if (gen == my) yield_until_changed(&gen);
+  };
+  std::memcpy(&g->slot[w][lane], &v, sizeof(T));
+  barrier();
+  T r;
+  std::memcpy(&r, &g->slot[w][lane ^ m], sizeof(T));
+  barrier();
+  return r;
+}
 template <class T>
 T shuffle_up(T v, int off) { return exchange(v, [off](int lane) { return lane >= off ? lane - off : -1; }); }
 
@@ -129,6 +161,7 @@ inline void run_block(int64_t bid, int n, const std::function<void()>& body) {
   b.alive = n;
   b.blk_count = 0;
   std::fill(std::begin(b.warp_count), std::end(b.warp_count), 0);
+  std::memset(b.group_count, 0, sizeof(b.group_count));
   b.body = body;
   for (int t = 0; t < n; ++t) {
     Fiber& f = b.f[t];

@@ -1,0 +1,130 @@
+"""The CUDA k writers' row body on the CPU, byte for byte.
+
+kernels/cuda/kstore_body.cuh holds the row body of SPEC §7.2's index_k_norm_rope_pack_store and §7.3's
+rmsnorm_rope_rotate_fp4quant_kvcache that kernels/cuda/kstore_qpack.cu launches on NVIDIA (and hipified on AMD).
+tests/cpp/kstore_host.cpp runs the same body on the host: one cooperative fiber per GPU thread (tests/cpp/fibers.h),
+the CUDA names from tests/cpp/host_cuda/cuda_runtime.h, a row group's shuffles a rendezvous of its 4 lanes, blocks in
+order, reversed or shuffled. It is built twice: with the scalar two stages (AMD's path) and with NVIDIA's bf16x2
+two stages for bf16 rows of the v41 writer (on e2m1x8.h's exact emulation of the bf16x2 operations). The module is
+driven through the compiled backends' own glue (dsaquant.backends.compiled.make_ops) with CPU tensors, and every
+cache byte and the error flags are compared with the reference backend on the same inputs: the grids of
+tests/gpu/test_backend_exact.py (every policy, special rows, compress ratios, bf16/fp16/fp32 rows, both V4 layouts,
+Hadamard on and off). What this cannot see: the hardware's own conversions and FMA (the body's fma is the correctly
+rounded std::fma here), races (none: each row is one group's), and the launch itself.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import host_cpp
+from dsaquant import dispatch, errors
+from dsaquant import testing as tt
+from dsaquant.backends.abi import Library
+from dsaquant.backends.compiled import make_ops
+
+REPO = Path(__file__).resolve().parents[1]
+CPP = REPO / "tests" / "cpp"
+SOURCES = [CPP / "kstore_host.cpp", CPP / "fibers.h", CPP / "host_cuda" / "cuda_runtime.h",
+           *sorted((REPO / "kernels" / "cuda").glob("*.cuh")), REPO / "kernels" / "cuda" / "indexer.h",
+           *sorted((REPO / "src" / "include" / "dsaquant").glob("*.h"))]
+POLICIES = ("threshold", "rne", "hardware")
+SCALES = (1.0, 40.0, 1e-3, 1e-30)
+
+
+@pytest.fixture(scope="module", params=["scalar", "bf16x2"])
+def emu(request):
+    if host_cpp.cxx() is None:
+        pytest.skip("no C++ compiler")
+    packed = request.param == "bf16x2"
+    so = host_cpp.build(SOURCES, "test_kstore_host" + ("_bf16x2" if packed else ""), "the k-writer emulator",
+                        ("-Wno-unknown-pragmas",) + (("-DDSQ_HOST_BF16X2_PATH",) if packed else ()),
+                        includes=(str(CPP / "host_cuda"), str(CPP)))
+    lib = Library(str(so))
+    assert lib.cdll.dsq_emu_packed_path() == int(packed)
+    lib.cdll.dsq_emu_set_block_order.restype = None
+    return lib
+
+
+def _take_flag() -> int:
+    f = errors.flag_tensor("cpu")
+    v = int(f.item())
+    f.zero_()
+    return v
+
+
+def _same(name, got: torch.Tensor, want: torch.Tensor):
+    gb, wb = got.contiguous().view(torch.uint8).reshape(-1), want.contiguous().view(torch.uint8).reshape(-1)
+    diff = (gb != wb).nonzero().reshape(-1)
+    assert diff.numel() == 0, f"{name}: {diff.numel()} of {gb.numel()} bytes differ, first at {diff[:6].tolist()}"
+
+
+def _compare(emu, op, make, positional, outputs, order, tag):
+    """op on the emulator and on the reference, each on a fresh copy of make()'s inputs: every output byte and
+    the error flags."""
+    emu.cdll.dsq_emu_set_block_order(order, 5)
+    _take_flag()
+    a_e = make()
+    make_ops(emu)[op](*positional(a_e))
+    flag_e = _take_flag()
+    a_r = make()
+    dispatch.get("reference", op)(*positional(a_r))
+    flag_r = _take_flag()
+    for k in outputs:
+        _same(f"{tag} {k}", a_e[k], a_r[k])
+    assert flag_e == flag_r, (tag, flag_e, flag_r)
+
+
+def _k_store_args(a):
+    return (a["k"], a["norm_weight"], float(a["eps"]), a["positions"], a["freqs"], a["slots"], a["cache"],
+            a["compress_ratio"], a["rounding"], a["cache"].shape[1] // 68)
+
+
+def _v4_k_args(a):
+    layout = a["layout"]
+    P = a["kv_cache"].shape[3] if layout == "aiter_fp4" else 1
+    return (a["kv"], a["norm_weight"], float(a["epsilon"]), a["positions"], a["cos_cache"], a["sin_cache"],
+            a["slot_mapping"], a["kv_cache"], a["kv_cache_scale"], a["hadamard"], a["rounding"], layout, P)
+
+
+@pytest.mark.parametrize("T", (1, 5, 64, 300))
+@pytest.mark.parametrize("ratio", (1, 2, 4))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_index_k_norm_rope_pack_store(emu, T, ratio, dtype):
+    for i, policy in enumerate(POLICIES):
+        def make():
+            a = tt.make_k_store(T=T, device="cpu", seed=T + ratio * 7 + i, scale=SCALES[(T + i) % 4],
+                                compress_ratio=ratio, rounding=policy)
+            a["k"] = tt.special_rows(a["k"]).to(dtype)
+            if i == 1:
+                a["positions"] = a["positions"].to(torch.int32)
+            return a
+        _compare(emu, "index_k_norm_rope_pack_store", make, _k_store_args, ("cache",), i, f"T{T} r{ratio} {policy}")
+
+
+@pytest.mark.parametrize("T", (1, 5, 64, 300))
+@pytest.mark.parametrize("layout", ("aiter_fp4", "dense"))
+def test_rmsnorm_rope_rotate_fp4quant_kvcache(emu, T, layout):
+    for i, policy in enumerate(POLICIES):
+        for hadamard in (False, True):
+            def make():
+                a = tt.make_v4_k(T=T, device="cpu", seed=T + i, scale=SCALES[(T + i) % 4], layout=layout,
+                                 rounding=policy, hadamard=hadamard,
+                                 dtype=(torch.bfloat16, torch.float32, torch.float16)[i])
+                a["kv"] = tt.special_rows(a["kv"])
+                return a
+            _compare(emu, "rmsnorm_rope_rotate_fp4quant_kvcache", make, _v4_k_args, ("kv_cache", "kv_cache_scale"),
+                     i, f"T{T} {layout} {policy} hadamard={hadamard}")
+
+
+def test_bad_slots_and_positions_are_flagged(emu):
+    """Slots past the cache and positions past the table: nothing written for them, the same error flags."""
+    def make():
+        a = tt.make_k_store(T=40, device="cpu", seed=3)
+        a["slots"][3] = a["cache"].shape[0] * (a["cache"].shape[1] // 68) + 5
+        a["slots"][4] = -2
+        a["positions"][5] = a["freqs"].shape[0] + 1
+        return a
+    _compare(emu, "index_k_norm_rope_pack_store", make, _k_store_args, ("cache",), 2, "bad slots")
