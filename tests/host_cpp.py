@@ -1,5 +1,6 @@
-"""Builds a host C++ test library (a kernel-body emulator of tests/cpp/) with g++, cached under build/ by the hash
-of its sources, flags and Python version, so that a test session compiles each configuration once."""
+"""The host C++ test libraries of tests/cpp/ (harnesses and kernel-body emulators): `build` compiles one with g++,
+cached under build/ by the hash of its sources, flags and Python version, so that a test session compiles each
+configuration once; `same_bytes` and `take_flag` are the emulator tests' comparisons."""
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +9,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # SPEC §0.1 / §0.6: no contraction, no fast-math, no flush-to-zero.
@@ -45,3 +48,22 @@ def build(sources: list[Path], name: str, what: str, extra_flags: tuple[str, ...
         raise RuntimeError(f"building {what} failed:\n{' '.join(cmd)}\n{res.stderr}")
     os.replace(tmp, so)
     return so
+
+
+def same_bytes(name: str, got, want) -> None:
+    """Asserts that two tensors hold the same bytes, naming the first that differ."""
+    gb, wb = got.contiguous().view(torch.uint8).reshape(-1), want.contiguous().view(torch.uint8).reshape(-1)
+    assert gb.shape == wb.shape, name
+    diff = (gb != wb).nonzero().reshape(-1)
+    assert diff.numel() == 0, (f"{name}: {diff.numel()} of {gb.numel()} bytes differ, first at {diff[:6].tolist()}: "
+                               f"got {gb[diff[:6]].tolist()}, want {wb[diff[:6]].tolist()}")
+
+
+def take_flag() -> int:
+    """The CPU error flag's value (dsaquant.errors), cleared."""
+    from dsaquant import errors
+
+    f = errors.flag_tensor("cpu")
+    v = int(f.item())
+    f.zero_()
+    return v

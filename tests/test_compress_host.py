@@ -15,10 +15,10 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import host_cpp
 import pytest
 import torch
 
+import host_cpp
 from dsaquant import errors
 from dsaquant import testing as tt
 from dsaquant.backends.abi import DsqCompressArgs, Library
@@ -90,21 +90,6 @@ def emu():
 @pytest.fixture(scope="module")
 def ops(emu):
     return make_ops(emu.lib)
-
-
-def _take_flag() -> int:
-    f = errors.flag_tensor("cpu")
-    v = int(f.item())
-    f.zero_()
-    return v
-
-
-def _same(name, got: torch.Tensor, want: torch.Tensor):
-    gb, wb = got.contiguous().view(torch.uint8).reshape(-1), want.contiguous().view(torch.uint8).reshape(-1)
-    assert gb.shape == wb.shape, name
-    diff = (gb != wb).nonzero().reshape(-1)
-    assert diff.numel() == 0, (f"{name}: {diff.numel()} of {gb.numel()} bytes differ, first at {diff[:6].tolist()}: "
-                               f"got {gb[diff[:6]].tolist()}, want {wb[diff[:6]].tolist()}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,13 +204,13 @@ COMPRESS = {
 
 def _run_compress(ops, emu, case: dict, order: int):
     emu.set_block_order(order, 11)
-    _take_flag()
+    host_cpp.take_flag()
     outs_e, args_e = compress_case(**case)
     ops["compress_kv"](*args_e)
-    flag_e = _take_flag()
+    flag_e = host_cpp.take_flag()
     outs_r, args_r = compress_case(**case)
     rc.compress_kv(*args_r)
-    flag_r = _take_flag()
+    flag_r = host_cpp.take_flag()
     return outs_e, flag_e, outs_r, flag_r
 
 
@@ -237,7 +222,7 @@ def test_compress_kv(ops, emu, name, order):
     outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, COMPRESS[name], order)
     for k in outs_r:
         if outs_r[k] is not None:
-            _same(f"{name} {k}", outs_e[k], outs_r[k])
+            host_cpp.same_bytes(f"{name} {k}", outs_e[k], outs_r[k])
     assert flag_e == flag_r, (flag_e, flag_r)
     if name == "r4_bad_input":
         assert flag_r == errors.SLOT_OUT_OF_RANGE | errors.POSITION_OUT_OF_RANGE
@@ -277,7 +262,7 @@ def _compare_in_mode(ops, emu, case, order, mode, tag):
         emu.set_compress_mode(0)
     for k in outs_r:
         if outs_r[k] is not None:
-            _same(f"{tag} {k}", outs_e[k], outs_r[k])
+            host_cpp.same_bytes(f"{tag} {k}", outs_e[k], outs_r[k])
     assert flag_e == flag_r, (flag_e, flag_r)
 
 
@@ -286,7 +271,7 @@ def test_compress_kv_writes_something(ops, emu):
     outs, args = compress_case(quant_mode="fp4")
     before = {k: v.clone() for k, v in outs.items() if v is not None}
     ops["compress_kv"](*args)
-    _take_flag()
+    host_cpp.take_flag()
     for k in before:
         assert not torch.equal(before[k].view(torch.uint8), outs[k].view(torch.uint8)), k
 
@@ -345,7 +330,7 @@ def _pool_rows_check(ops, emu, monkeypatch, case):
     monkeypatch.setattr(rc, "pool", lambda *a: want.append(real_pool(*a)) or want[-1])
     make_ops(Capture)["compress_kv"](*args)
     rc.compress_kv(*compress_case(**case)[1])
-    _take_flag()
+    host_cpp.take_flag()
     assert len(got) == len(want) == 1 and got[0].shape == want[0].shape and got[0].shape[0] > 0
     g, w = got[0], want[0]
     both_nan = torch.isnan(g) & torch.isnan(w)
@@ -363,9 +348,9 @@ def test_warp_sum_and_hadamard_fp32(emu, n):
     x = torch.randn(rows, n, generator=g) * 2.0 ** torch.randint(-20, 20, (rows, n), generator=g).float()
     x[1::5, n // 2:] = -x[1::5, :n // 2].flip(-1)      # cancellations that only some orders see
     s = emu.warp_op(x, n, 0).reshape(rows, n)[:, 0]
-    _same(f"warp_sum n={n}", s, arith.canonical_sum(x))
+    host_cpp.same_bytes(f"warp_sum n={n}", s, arith.canonical_sum(x))
     hd = emu.warp_op(x, n, 1).reshape(rows, n)
-    _same(f"warp_hadamard n={n}", hd, transforms.hadamard(x))
+    host_cpp.same_bytes(f"warp_hadamard n={n}", hd, transforms.hadamard(x))
 
 
 @pytest.mark.parametrize("preset", ["dsv4-ref", "aiter", "vllm-v4", "sglang-c4"])
@@ -379,7 +364,7 @@ def test_compress_kv_presets(ops, emu, preset):
     outs_e, flag_e, outs_r, flag_r = _run_compress(ops, emu, case, 0)
     for k in outs_r:
         if outs_r[k] is not None:
-            _same(f"{preset} {k}", outs_e[k], outs_r[k])
+            host_cpp.same_bytes(f"{preset} {k}", outs_e[k], outs_r[k])
     assert flag_e == flag_r
 
 
@@ -457,19 +442,19 @@ ROTATE_DV = [(D, v) for D in (128, 256, 512, 1024) for v in _rotate_values(D)]
 def _run_rotate(ops, emu, kind, D, had, v, order=0, **kw):
     emu.set_rotate_v(v)
     emu.set_block_order(order, 5)
-    _take_flag()
+    host_cpp.take_flag()
     try:
         outs_e, args_e = rotate_case(kind, D, had, **kw)
         ops["rope_rotate_quant"](*args_e)
     finally:
         emu.set_rotate_v(0)
-    flag_e = _take_flag()
+    flag_e = host_cpp.take_flag()
     outs_r, args_r = rotate_case(kind, D, had, **kw)
     rc.rope_rotate_quant(*args_r)
-    flag_r = _take_flag()
+    flag_r = host_cpp.take_flag()
     for name, e, r in zip(("out", "out_scale", "x"), outs_e, outs_r):
         if r is not None:
-            _same(f"{kind} D={D} V={v} had={had} {kw} {name}", e, r)
+            host_cpp.same_bytes(f"{kind} D={D} V={v} had={had} {kw} {name}", e, r)
     assert flag_e == flag_r == errors.POSITION_OUT_OF_RANGE, (flag_e, flag_r)
 
 

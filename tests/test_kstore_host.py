@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import host_cpp
-from dsaquant import dispatch, errors
+from dsaquant import dispatch
 from dsaquant import testing as tt
 from dsaquant.backends.abi import Library
 from dsaquant.backends.compiled import make_ops
@@ -48,32 +48,19 @@ def emu(request):
     return lib
 
 
-def _take_flag() -> int:
-    f = errors.flag_tensor("cpu")
-    v = int(f.item())
-    f.zero_()
-    return v
-
-
-def _same(name, got: torch.Tensor, want: torch.Tensor):
-    gb, wb = got.contiguous().view(torch.uint8).reshape(-1), want.contiguous().view(torch.uint8).reshape(-1)
-    diff = (gb != wb).nonzero().reshape(-1)
-    assert diff.numel() == 0, f"{name}: {diff.numel()} of {gb.numel()} bytes differ, first at {diff[:6].tolist()}"
-
-
 def _compare(emu, op, make, positional, outputs, order, tag):
     """op on the emulator and on the reference, each on a fresh copy of make()'s inputs: every output byte and
     the error flags."""
     emu.cdll.dsq_emu_set_block_order(order, 5)
-    _take_flag()
+    host_cpp.take_flag()
     a_e = make()
     make_ops(emu)[op](*positional(a_e))
-    flag_e = _take_flag()
+    flag_e = host_cpp.take_flag()
     a_r = make()
     dispatch.get("reference", op)(*positional(a_r))
-    flag_r = _take_flag()
+    flag_r = host_cpp.take_flag()
     for k in outputs:
-        _same(f"{tag} {k}", a_e[k], a_r[k])
+        host_cpp.same_bytes(f"{tag} {k}", a_e[k], a_r[k])
     assert flag_e == flag_r, (tag, flag_e, flag_r)
 
 

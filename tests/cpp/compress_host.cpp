@@ -49,19 +49,6 @@ inline void st4(void* p, uint32_t w) { std::memcpy(p, &w, 4); }
 
 namespace {
 
-std::string g_error;   // the last error's message (dsq_error_string)
-
-template <class F>
-int guarded(F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return 1;
-  }
-}
-
 // compress_kv's range mode: 0 the launcher's choice by call size, 1 one range a block, 2 one range a warp (where
 // K <= 8 and D = 128; elsewhere one a block, as the launcher does).
 int g_compress_force = 0;
@@ -215,26 +202,27 @@ void rope_rotate_quant(const dsqv4::RotateArgs& a) {
 
 extern "C" {
 
-int dsq_compress_kv(const DsqCompressArgs* a, void* /*stream*/) { return guarded([&] { compress_kv(*a); }); }
-int dsq_rope_rotate_quant(const DsqRotateArgs* a, void* /*stream*/) { return guarded([&] { rope_rotate_quant(*a); }); }
-const char* dsq_error_string(int code) { return code == 0 ? "no error" : g_error.c_str(); }
+int dsq_compress_kv(const DsqCompressArgs* a, void* /*stream*/) {
+  return emu::guarded(1, [&] { compress_kv(*a); });
+}
+int dsq_rope_rotate_quant(const DsqRotateArgs* a, void* /*stream*/) {
+  return emu::guarded(1, [&] { rope_rotate_quant(*a); });
+}
+const char* dsq_error_string(int code) { return code == 0 ? "no error" : emu::last_error().c_str(); }
 
 // pool_row alone for the n boundaries bs[n][3] = (i, p, b): their fp32 rows out[n][D].
 DSQ_API int dsq_emu_pool_rows(const DsqCompressArgs* a, const int64_t* bs, int64_t n, float* out) {
-  return guarded([&] { pool_rows(*a, bs, n, out); });
+  return emu::guarded(1, [&] { pool_rows(*a, bs, n, out); });
 }
 // warp_sum (op 0, into element 0 of each row) / warp_hadamard (op 1) on x[count], rows of n values, in place.
 DSQ_API int dsq_emu_warp_op(float* x, int64_t count, int n, int op) {
-  return guarded([&] { warp_op(x, count, n, op); });
+  return emu::guarded(1, [&] { warp_op(x, count, n, op); });
 }
 // The values a lane of the emulated rope_rotate_quant (0: the launcher's choice; 16, 32, 64 or 128).
 DSQ_API void dsq_emu_set_rotate_v(int v) { g_rotate_v = v; }
 // compress_kv's range mode (g_compress_force): 0 by call size, 1 one range a block, 2 one range a warp.
 DSQ_API void dsq_emu_set_compress_mode(int force) { g_compress_force = force; }
 // The order of the blocks of a grid: 0 in order, 1 reversed, 2 shuffled (seeded).
-DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) {
-  emu::grid_order() = order;
-  emu::grid_seed() = seed;
-}
+DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) { emu::set_grid_order(order, seed); }
 
 }  // extern "C"

@@ -205,6 +205,34 @@ inline uint64_t& grid_seed() {
   return seed;
 }
 
+inline void set_grid_order(int order, uint64_t seed) {
+  grid_order() = order;
+  grid_seed() = seed;
+}
+
+// The message of the last emulation error (a C++ exception that guarded caught), for dsq_error_string.
+inline std::string& last_error() {
+  static std::string s;
+  return s;
+}
+
+// Runs f() for a C entry point: its result (an int code; 0 when f returns nothing), or `code` when it throws,
+// the message kept in last_error().
+template <class F>
+int guarded(int code, F&& f) {
+  try {
+    if constexpr (std::is_void<decltype(f())>::value) {
+      f();
+      return 0;
+    } else {
+      return f();
+    }
+  } catch (const std::exception& e) {
+    last_error() = e.what();
+    return code;
+  }
+}
+
 // Calls block(id) for the ids 0..n-1 in the chosen order; block(id) runs the block (run_block).
 inline void run_grid(int64_t n, const std::function<void(int64_t)>& block) {
   std::vector<int64_t> ids(static_cast<size_t>(n));

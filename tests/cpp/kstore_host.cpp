@@ -9,21 +9,13 @@
 // e2m1x8.h's exact emulation of those operations). It exports the C interface of the compiled library for this
 // op (dsq_kstore, dsq_error_string), so the backends' own ctypes glue (dsaquant.backends.compiled.make_ops)
 // drives it with CPU tensors, and dsq_emu_set_block_order.
-#include <stdexcept>
-#include <string>
-
 #include "fibers.h"
 #include "kstore_body.cuh"
-
-namespace {
-std::string g_error;
-}
 
 extern "C" {
 
 int dsq_kstore(const DsqKStoreArgs* a, void*) {
-  try {
-    if (a->T == 0) return 0;
+  return emu::guarded(2, [&] {
     const int64_t blocks = (a->T + dsqk::kRowsPerBlock - 1) / dsqk::kRowsPerBlock;
     dsqk::kstore_dispatch(*a, [&](auto in_dt, auto cdt, auto mode) {
       emu::run_grid(blocks, [&](int64_t b) {
@@ -33,19 +25,12 @@ int dsq_kstore(const DsqKStoreArgs* a, void*) {
         });
       });
     });
-    return 0;
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return 2;
-  }
+  });
 }
 
-const char* dsq_error_string(int) { return g_error.c_str(); }
+const char* dsq_error_string(int) { return emu::last_error().c_str(); }
 
-void dsq_emu_set_block_order(int order, uint64_t seed) {
-  emu::grid_order() = order;
-  emu::grid_seed() = seed;
-}
+void dsq_emu_set_block_order(int order, uint64_t seed) { emu::set_grid_order(order, seed); }
 
 int dsq_emu_packed_path() { return dsqk::kPackedFp4Native ? 1 : 0; }
 

@@ -52,7 +52,6 @@ inline int shared_add(int* p, int v) { return global_add(p, v); }
 
 namespace {
 
-std::string g_error;   // the last error's message (dsq_error_string)
 
 // The launches of topk_body.cuh run(), as grids of fibers.
 struct Host {
@@ -102,21 +101,15 @@ int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chu
 
 // 0 on success, 1 for bad arguments (as the CUDA library), 2 for an emulation error (dsq_error_string).
 int dsq_topk_indices(const DsqTopkArgs* args, void*) {
-  try {
+  return emu::guarded(2, [&] {
     Host dev;
     return dsqtopk::run(args, dev);
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return 2;
-  }
+  });
 }
 
-const char* dsq_error_string(int) { return g_error.c_str(); }
+const char* dsq_error_string(int) { return emu::last_error().c_str(); }
 
-void dsq_emu_set_order(int order, uint64_t seed) {
-  emu::grid_order() = order;
-  emu::grid_seed() = seed;
-}
+void dsq_emu_set_order(int order, uint64_t seed) { emu::set_grid_order(order, seed); }
 
 int dsq_emu_threads() { return dsqtopk::kThreads; }
 
