@@ -47,7 +47,7 @@ int dsq_topk_indices(const DsqTopkArgs* a, void* stream);
 int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunks);
 
 /* Blocks per row for a device with `sms` multiprocessors: 1 unless the rows are fewer than the SMs and at least
- * 8k long; then two blocks per SM in all, at least 4096 keys a block and at least 2. Host only. */
+ * 8k long; then one block per SM in all, at least 4096 keys a block and at least 2. Host only. */
 int32_t dsq_topk_plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms);
 
 #ifdef __cplusplus

@@ -27,7 +27,8 @@
 //   * Sort: the taken words are bitonic-sorted descending (sort_desc: registers, warp shuffles and shared
 //     memory); empty slots (0) become -1.
 //
-// Few long rows (`chunks` > 1): every row is read by `chunks` blocks, twice, and finished by one block:
+// Few long rows (`chunks` > 1): every row is read twice, by 2 * chunks blocks and by `chunks` blocks (a block of
+// step 2 holds more registers: one an SM), and finished by one block:
 //   1. hist_block: each block counts the top 12 bits of its keys (4096 bins) in shared memory and adds the
 //      non-zero bins to the row's histogram in the workspace;
 //   2. scatter_block: each block scans the row's histogram from the top for the threshold bin b, the bin where
@@ -566,7 +567,7 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
 
 inline int32_t plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms) {
   if (rows <= 0 || rows >= sms || k <= 0 || L < 8 * k) return 1;
-  int64_t c = 2 * static_cast<int64_t>(sms) / rows;   // steps 1 and 2 in one wave of two blocks an SM
+  int64_t c = sms / rows;   // step 2 in one wave of a block an SM (step 1 runs twice the blocks, two an SM)
   if (c > L / 4096) c = L / 4096;                                     // at least 4096 keys a block
   if (c > kMaxChunks) c = kMaxChunks;
   return static_cast<int32_t>(c < 2 ? 2 : c);
@@ -584,7 +585,7 @@ template <int DT, class Dev>
 int run_dtype(const DsqTopkArgs& a, int32_t chunks, Dev& dev) {
   if (chunks == 1) return dev.template row<DT>(a);
   int e = dev.memset(a.workspace, static_cast<size_t>(a.rows) * (kDigits + 2) * sizeof(int));
-  if (e == 0) e = dev.template hist<DT>(a, chunks);
+  if (e == 0) e = dev.template hist<DT>(a, 2 * chunks);   // any split of a row adds up to its histogram
   if (e == 0) e = dev.template scatter<DT>(a, chunks);
   if (e == 0) e = dev.template finish<DT>(a);
   return e;

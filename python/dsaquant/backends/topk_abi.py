@@ -54,7 +54,7 @@ def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
     """Mirror of dsq_topk_plan_chunks."""
     if rows <= 0 or rows >= sms or k <= 0 or L < 8 * k:
         return 1
-    return max(2, min(2 * sms // rows, L // 4096, MAX_CHUNKS))
+    return max(2, min(sms // rows, L // 4096, MAX_CHUNKS))
 
 
 def make_args(logits, k, context_lens, next_n, ks, ke, relative, out, workspace=None, chunks=0) -> DsqTopkArgs:
