@@ -1,6 +1,6 @@
 """The host C++ test libraries of tests/cpp/ (harnesses and kernel-body emulators): `build` compiles one with g++,
-cached under build/ by the hash of its sources, flags and Python version, so that a test session compiles each
-configuration once; `same_bytes` and `take_flag` are the emulator tests' comparisons."""
+cached under build/ by the hash of its sources, flags and Python version, so that each configuration is compiled
+once per source state; `same_bytes` and `take_flag` are the emulator tests' comparisons."""
 from __future__ import annotations
 
 import hashlib

@@ -9,8 +9,8 @@ two stages for bf16 rows of the v41 writer (on e2m1x8.h's exact emulation of the
 driven through the compiled backends' own glue (dsaquant.backends.compiled.make_ops) with CPU tensors, and every
 cache byte and the error flags are compared with the reference backend on the same inputs: the grids of
 tests/gpu/test_backend_exact.py (every policy, special rows, compress ratios, bf16/fp16/fp32 rows, both V4 layouts,
-Hadamard on and off). What this cannot see: the hardware's own conversions and FMA (the body's fma is the correctly
-rounded std::fma here), races (none: each row is one group's), and the launch itself.
+Hadamard on and off). What this cannot see: the hardware's own conversions and fused add (platform.h fadd_signed is
+std::fma here), races (none: each row is one group's), and the launch itself.
 """
 from __future__ import annotations
 

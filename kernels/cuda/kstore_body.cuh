@@ -121,27 +121,17 @@ __device__ __forceinline__ void rope_tail(const RopeArgs& tab, int64_t pos, int 
   for (int i = 0; i < 8; ++i) rope_pair(v[16 + 2 * i], v[17 + 2 * i], c[i], s[i]);
 }
 
-// fl(x * m + y), one rounding (a fused multiply-add; callers pass m = +-1, where it is fl(y +- x) bit for bit).
-__device__ __forceinline__ float fma_rn(float x, float m, float y) {
-#if defined(__HIP__)
-  return __builtin_fmaf(x, m, y);
-#else
-  return __fmaf_rn(x, m, y);
-#endif
-}
-
 // SPEC §5 Hadamard of the row (Sylvester order: strides h = 1, 2, ..., 64 in turn), then times fl(128^-0.5).
 __device__ __forceinline__ void hadamard_split4(unsigned mask, int lane, float (&v)[kLaneVals]) {
   hadamard_butterflies<16>(v);        // h = 1..8 in the a values
   hadamard_butterflies<16>(v + 16);   // and in the b values
   // h = 16 s: lanes l and l ^ s; the lower lane holds a pair's first value x, the upper its second y, and they
-  // become x + y and x - y. Each lane adds its own value times +1 (lower) or -1 (upper) to its partner's: the
-  // product is exact, so the fused multiply-add rounds once, the sum fl(o + v) or fl(o - v) itself, bit for bit.
+  // become x + y and x - y: each lane adds its own value times +1 (lower) or -1 (upper) to its partner's.
 #pragma unroll
   for (int s = 1; s <= 2; s <<= 1) {
     const float sign = (lane & s) ? -1.0f : 1.0f;
 #pragma unroll
-    for (int e = 0; e < kLaneVals; ++e) v[e] = fma_rn(v[e], sign, group_shfl_xor<kRowLanes>(mask, v[e], s));
+    for (int e = 0; e < kLaneVals; ++e) v[e] = fadd_signed(v[e], sign, group_shfl_xor<kRowLanes>(mask, v[e], s));
   }
 #pragma unroll
   for (int e = 0; e < 16; ++e) {      // h = 64: a value with the b value of the same lane

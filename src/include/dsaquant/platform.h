@@ -116,6 +116,19 @@ DSQ_HD float fmul(float a, float b) {
 #endif
 }
 
+// fl(y + sign * x) for sign = +1 or -1: fl(y + x) or fl(y - x), bit for bit (the product is exact, so the one
+// rounding of a fused multiply-add is that of the sum), in one instruction where the hardware fuses. For a
+// butterfly whose two lanes hold their operands in opposite roles (SPEC §5 Hadamard between lanes).
+DSQ_HD float fadd_signed(float x, float sign, float y) {
+#if defined(DSQ_CUDA_DEVICE)
+  return __fmaf_rn(x, sign, y);
+#elif defined(__clang__)
+  return __builtin_fmaf(x, sign, y);
+#else
+  return std::fma(x, sign, y);
+#endif
+}
+
 // Correctly rounded division (HIP: correct by default, -fhip-fp32-correctly-rounded-divide-sqrt).
 DSQ_HD float fdiv(float a, float b) {
 #if defined(DSQ_CUDA_DEVICE)

@@ -2,7 +2,7 @@
 // emulator of tests/cpp/fibers.h (tests/cpp/kstore_host.cpp puts this directory first on the include path, so the
 // kernels' `#include <cuda_runtime.h>` finds it). Qualifiers are empty, the built-in indices are the running
 // fiber's, the vector types are plain structs, a shuffle is a rendezvous of its mask's lanes, an atomic is a plain
-// read-modify-write (fibers switch only at barriers and shuffles), __fmaf_rn is the correctly rounded std::fma.
+// read-modify-write (fibers switch only at barriers and shuffles).
 #pragma once
 
 #include <cmath>
@@ -69,6 +69,5 @@ inline int atomicOr(int* p, int v) {
   *p |= v;
   return old;
 }
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline void __syncthreads() { emu::block_barrier(); }
 inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
