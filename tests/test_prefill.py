@@ -188,6 +188,9 @@ TRITON_CASES = {
     "fp4-H32": dict(layout="fp4", H=32),
     "fp4-fp8-fold": dict(layout="fp4", exp_lo=120, exp_hi=127, knobs=dict(fp4_dot="fp8")),
     "fp4-fp8-fold-fallback": dict(layout="fp4", exp_lo=100, exp_hi=130, knobs=dict(fp4_dot="fp8")),
+    # spans up to the 14 binades that fold; one key whose block is 32 below (its tile falls back) and one query
+    # row with a zero-scale block (its row block falls back)
+    "fp4-fp8-fold-mixed": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, knobs=dict(fp4_dot="fp8")),
     "exact-full": dict(layout="fp4", exact=True),
     "exact-compressed-bf16": dict(layout="fp4", exact=True, W=24, bf16=True),
     "exact-mixed-exponents": dict(layout="fp4", exact=True, mixed=True),
@@ -226,6 +229,9 @@ def run_triton_case(c):
     if c.get("mixed"):
         a["q_scale"] = mixed_q_exponents(a["q_scale"].shape, torch.Generator().manual_seed(11))
         a["k_scale"] = mixed_exponents(a["k"].shape[0], torch.Generator().manual_seed(12))
+    if c.get("unfold"):
+        a["k_scale"][37, 2] = 100
+        a["q_scale"][3, 5, 0] = 0
     if c.get("int32"):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])
         a["k_scale"] = a["k_scale"].view(torch.int32).reshape(-1)

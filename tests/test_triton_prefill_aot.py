@@ -44,6 +44,7 @@ configs = [  # name, kwargs, expected instruction class
     ("fp8 decoded", dict(layout="fp8", fp8_native=False, fnuz=not fnuz, w_dtype="bf16"), "dot"),
     ("fp4 H64", dict(layout="fp4"), "dot"),
     ("fp4 H64 e4m3 fold", dict(layout="fp4", fp4_fp8=True), "fp8"),
+    ("fp4 H64 e4m3 fold, the tiles that do not fold", dict(layout="fp4", fp4_fp8=True, fold_pass=2), "dot"),
     ("exact H64", dict(layout="fp4", exact=True), "int8"),
     ("exact H128 bf16 no clean", dict(layout="fp4", exact=True, H=128, out_bf16=True, clean=False), "int8"),
 ]
@@ -59,6 +60,14 @@ for name, kw, want in configs:
         if want == "int8":   # the exact mode: no FMA, and (PTX) no mul/add without .rn, which ptxas may contract
             res["fma"] = re.findall(r"\bfma\.\w+\.f32|\b(?:mul|add|sub)\.f32\b|v_fma_f32|v_fmac_f32|v_pk_fma_f32", asm)
         res["ok"] = True
+    except Exception as e:
+        res.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+    print("RESULT " + json.dumps(res), flush=True)
+if not fnuz:
+    res = dict(name="fp4 keys into e4m3")
+    try:
+        k = P.aot_compile_fold(target)
+        res.update(ok=True, binary=bool(k.asm.get("cubin") or k.asm.get("hsaco")), mma=True)
     except Exception as e:
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
     print("RESULT " + json.dumps(res), flush=True)

@@ -58,19 +58,25 @@ def _magnitude(a, layout, W=0):
 @pytest.mark.parametrize("H", [32, 64])
 @pytest.mark.parametrize("W", [0, 1536])
 @pytest.mark.parametrize("dot", ["default", "bf16"])
-@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("spread", ["none", "wide", "few"])
 def test_fast_mode_against_reference(layout, H, W, dot, spread):
     """dot "default": the native fp8 dot where the device has one (FP4: the tiles whose block exponents fold
-    into e4m3); "bf16": FP8 codes / FP4 values decoded exactly to bf16. spread: FP4 exponents 100..139, so
-    that most tiles cannot fold and take the bf16 dots."""
-    if layout == "fp8" and spread:
+    into e4m3); "bf16": FP8 codes / FP4 values decoded exactly to bf16. spread "wide": FP4 exponents 100..139,
+    so that most tiles cannot fold and take the bf16 dots; "few": exponents 118..132 (spans up to the 14 that
+    fold) with one key in 500 and one query row that do not fold (their tiles take the bf16 dots)."""
+    if layout == "fp8" and spread != "none":
         pytest.skip("exponent spread applies to FP4")
     S, SKV = 384, 3000
     a = make_prefill_inputs(layout, S, SKV, H, seed=H + W)
-    if spread:
+    if spread != "none":
         g = torch.Generator().manual_seed(5)
-        a["q_scale"] = torch.randint(100, 140, a["q_scale"].shape, generator=g, dtype=torch.uint8).to(DEV)
-        a["k_scale"] = torch.randint(100, 140, a["k_scale"].shape, generator=g, dtype=torch.uint8).to(DEV)
+        lo, hi = (100, 140) if spread == "wide" else (118, 133)
+        a["q_scale"] = torch.randint(lo, hi, a["q_scale"].shape, generator=g, dtype=torch.uint8)
+        a["k_scale"] = torch.randint(lo, hi, a["k_scale"].shape, generator=g, dtype=torch.uint8)
+        if spread == "few":
+            a["k_scale"][::500, 2] = 90
+            a["q_scale"][17, 3, 1] = 0
+        a["q_scale"], a["k_scale"] = a["q_scale"].to(DEV), a["k_scale"].to(DEV)
     a["ks"], a["ke"] = _ranges(S, SKV, torch.Generator().manual_seed(W))
     ref = dsaquant.mqa_logits(layout=layout, max_seqlen_k=W, backend="reference", **a)
     mag = _magnitude(a, layout, W)

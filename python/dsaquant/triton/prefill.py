@@ -12,11 +12,12 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     out[i, j] (full) or out[i, j - base[i]] (compressed).
   * FP8: native fp8 x fp8 dot where the device has one for the flavour (promoted to fp32 every 32
     products on sm_90), else the codes decoded exactly to bf16 (fp32 in the interpreter).
-    FP4 fast mode: where the device has a native e4m3fn dot, tiles whose keys and query rows have their 4
-    block exponents in [64, 190] within 8 of the largest are rescaled exactly into e4m3 and run the fp8 dot
-    (then times the two powers of two of the row maxima); other tiles, and other devices: values decoded to
-    bf16 (exact: SPEC §1 values times a power of two). Either way split into the even and odd elements (two
-    dots with K = 64).
+    FP4 fast mode: where the device has a native e4m3fn dot, the keys are folded into e4m3 once by a pre-pass
+    (_fp4_keys_e4m3_kernel: rows whose 4 block exponents lie in [64, 190] within 14 of the largest are exact in
+    e4m3 times a power of two), then FOLD_PASS 1 runs the FP8 tile (one fp8 dot, the query rows' powers of two
+    in the weights, the keys' after the head sum) on the tiles whose keys and query rows all fold, and
+    FOLD_PASS 2 the bf16 dots on the others (values decoded exactly: SPEC §1 values times a power of two,
+    split into the even and odd elements, two dots with K = 64). Other devices: the bf16 dots, one launch.
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
@@ -119,37 +120,80 @@ def _operand(x, DOT_F32: tl.constexpr):
     return y
 
 
+FOLD_SHIFT = 6     # folded E2M1 values are scaled by up to 2^6 (6 * 2^6 = 384 <= 448, e4m3fn's largest)
+FOLD_SPAN = 14     # a row's block exponents within 14 of its largest: the smallest value 2^(5-14) = 2^-9 is e4m3's
+
+
 @triton.jit
 def _fold_ok(word):
     """int32 exponent words [N] (block j in byte j) -> (row can be rescaled exactly into e4m3, largest exponent):
-    every exponent in [64, 190] and within 8 of the largest. Then e2m1 * 2^(e_b - e_max) is an e4m3 value
-    (at least 2^-9 and a multiple of it, at most 6) and the row and key scales 2^(e_max - 127) stay in
-    [2^-63, 2^63]."""
+    every exponent in [64, 190] and within FOLD_SPAN of the largest. Then e2m1 * 2^(e_b - e_max + FOLD_SHIFT) is
+    an e4m3 value (a multiple of 2^-9 of at most 2 significant bits, at most 384) and the row scale
+    2^(e_max - 127 - FOLD_SHIFT) lies in [2^-69, 2^57]."""
     e0 = word & 255
     e1 = (word >> 8) & 255
     e2 = (word >> 16) & 255
     e3 = (word >> 24) & 255
     emax = tl.maximum(tl.maximum(e0, e1), tl.maximum(e2, e3))
     emin = tl.minimum(tl.minimum(e0, e1), tl.minimum(e2, e3))
-    return (emin >= 64) & (emax <= 190) & (emax - emin <= 8), emax
+    return (emin >= 64) & (emax <= 190) & (emax - emin <= 14), emax
 
 
 @triton.jit
-def _fp4_rel_fp8(payload, word, emax, col):
-    """payload uint8 [N, 64], words int32 [N], emax int32 [N] -> (even, odd elements) as e4m3 values
-    e2m1 * 2^(e_b - emax), exact where _fold_ok holds."""
+def _fp4_fold_e4m3(payload, word, emax, col):
+    """payload uint8 [N, 64], words int32 [N], emax int32 [N] -> the row's 128 values e2m1 * 2^(e_b - emax + 6)
+    as e4m3 [N, 128] in element order (exact where _fold_ok holds)."""
     c = payload.to(tl.int32)
     e = (word[:, None] >> ((col // 16) * 8)[None, :]) & 255
-    rel = ((e - emax[:, None] + 127) << 23).to(tl.float32, bitcast=True)
-    return (_e2m1_value(c & 15) * rel).to(tl.float8e4nv), (_e2m1_value(c >> 4) * rel).to(tl.float8e4nv)
+    rel = ((e - emax[:, None] + 133) << 23).to(tl.float32, bitcast=True)      # 2^(e_b - emax + 6)
+    lo = (_e2m1_value(c & 15) * rel).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    hi = (_e2m1_value(c >> 4) * rel).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    n: tl.constexpr = payload.shape[0]
+    return tl.reshape(tl.join(lo, hi), (n, 128)).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
-def _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV: tl.constexpr, R: tl.constexpr, DOT_F32: tl.constexpr):
-    """The FP4 tile's dots on exactly dequantized bf16 values (even and odd elements, K = 64 each)."""
+def _fold_scale(emax):
+    """The scale 2^(emax - 127 - 6) a folded row keeps (emax in [64, 190])."""
+    return ((emax - 6) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV, BLOCK: tl.constexpr):
+    """FP4 keys -> e4m3 rows [SKV, 128] (the folded values, element order) and fp32 scales [SKV] (the row's
+    _fold_scale; -1 where the key does not fold); per tile of BLOCK keys (the logits kernel's) kt = 1 where all
+    its keys fold (else its logits take the bf16 dots); kall (int32, 1 before the launch) is cleared where a
+    key does not fold."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    j_ok = j < SKV
+    krow = j.to(tl.int64)
+    col = tl.arange(0, 64)
+    kp = tl.load(k_ptr + krow[:, None] * 64 + col[None, :], mask=j_ok[:, None], other=0)
+    kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
+    ok, emax = _fold_ok(kword)
+    emax = tl.where(ok, emax, 127)
+    d = tl.arange(0, 128)
+    tl.store(k8_ptr + krow[:, None] * 128 + d[None, :], _fp4_fold_e4m3(kp, kword, emax, col), mask=j_ok[:, None])
+    tl.store(ksc_ptr + krow, tl.where(ok, _fold_scale(emax), -1.0), mask=j_ok)
+    all_ok = tl.min((ok | ~j_ok).to(tl.int32), axis=0)
+    tl.store(kt_ptr + tl.program_id(0), all_ok)
+    if all_ok == 0:
+        tl.atomic_and(kall_ptr, 0)
+
+
+@triton.jit
+def _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H: tl.constexpr, BQ: tl.constexpr,
+                   BLOCK_KV: tl.constexpr, DOT_F32: tl.constexpr):
+    """An FP4 tile's logits [BLOCK_KV, BQ] from dots on exactly dequantized bf16 values (even and odd elements,
+    K = 64 each)."""
+    col = tl.arange(0, 64)
+    kp = tl.load(k_ptr + krow[:, None] * 64 + col[None, :], mask=j_ok[:, None], other=0)
+    kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
     k_lo, k_hi = _fp4_dequant(kp, kword, col)
-    acc = _dot_any(_operand(k_lo, DOT_F32), qT0, tl.zeros((BLOCK_KV, R), tl.float32), DOT_F32)
-    return _dot_any(_operand(k_hi, DOT_F32), qT1, acc, DOT_F32)
+    acc = _dot_any(_operand(k_lo, DOT_F32), qT0, tl.zeros((BLOCK_KV, BQ * H), tl.float32), DOT_F32)
+    acc = _dot_any(_operand(k_hi, DOT_F32), qT1, acc, DOT_F32)
+    v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
+    return tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,12 +201,12 @@ def _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV: tl.constexpr, R: tl.conste
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _mqa_logits_kernel(
-    q_ptr, qs_ptr, k_ptr, kf_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr,
+    q_ptr, qs_ptr, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr,
     S, SKV, W, tiles_per_prog, stride_w, stride_out,
     H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
     FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, FILL: tl.constexpr, OUT_KIND: tl.constexpr,
-    STATIC_TILES: tl.constexpr, FP4_FP8: tl.constexpr,
+    STATIC_TILES: tl.constexpr, FOLD_PASS: tl.constexpr,
 ):
     R: tl.constexpr = BQ * H
     qb = tl.program_id(0)
@@ -193,6 +237,7 @@ def _mqa_logits_kernel(
     qe1 = tl.zeros((R,), tl.int32)
     qe2 = tl.zeros((R,), tl.int32)
     qe3 = tl.zeros((R,), tl.int32)
+    w_fold = w_col
     if LAYOUT == 0:
         d = tl.arange(0, 128)
         if FP8_NATIVE:      # q_ptr and k_ptr are fp8 pointers: the tiles go to the dot without a conversion
@@ -204,15 +249,21 @@ def _mqa_logits_kernel(
         col = tl.arange(0, 64)
         qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
         qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
-        q_lo, q_hi = _fp4_dequant(qp, qword, col)
-        qT0 = tl.trans(_operand(q_lo, DOT_F32))
-        qT1 = tl.trans(_operand(q_hi, DOT_F32))
-        if FP4_FP8:       # the rows rescaled into e4m3 (qT2, qT3), their scale exponents (qe0), foldable (qe1)
-            q_ok, qe0 = _fold_ok(qword)
-            qe1 = (q_ok | ~r_ok).to(tl.int32)
-            q8_lo, q8_hi = _fp4_rel_fp8(qp, qword, qe0, col)
-            qT2 = tl.trans(q8_lo)
-            qT3 = tl.trans(q8_hi)
+        if FOLD_PASS != 1:   # the bf16 operands (even and odd elements)
+            q_lo, q_hi = _fp4_dequant(qp, qword, col)
+            qT0 = tl.trans(_operand(q_lo, DOT_F32))
+            qT1 = tl.trans(_operand(q_hi, DOT_F32))
+        if FOLD_PASS != 0:
+            # qe1: the row folds into e4m3, its scale into the weights (w_fold: exact where the product stays a
+            # normal number); pass 1's operand: the folded rows (qT2, element order)
+            q_ok, q_emax = _fold_ok(qword)
+            q_emax = tl.where(q_ok, q_emax, 127)
+            w_fold = w_col * _fold_scale(q_emax)
+            aw = tl.abs(w_fold)
+            q_ok = q_ok & ((w_col == 0.0) | ((aw >= 1.1754943508222875e-38) & (aw < float("inf"))))
+            qe1 = tl.min((q_ok | ~r_ok).to(tl.int32), axis=0)    # every row of the program folds
+            if FOLD_PASS == 1:
+                qT2 = tl.trans(_fp4_fold_e4m3(qp, qword, q_emax, col))
     else:
         c16 = tl.arange(0, 16)
         qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
@@ -235,12 +286,14 @@ def _mqa_logits_kernel(
     t_end = tl.minimum(t_begin + tiles_per_prog, num_tiles)
     t_lo = tl.maximum(t_begin, lo_min // BLOCK_KV)
     t_hi = tl.minimum(t_end, tl.cdiv(hi_max, BLOCK_KV))
+    if FOLD_PASS == 2:   # the second pass has nothing to do where every key and every row of the program folds
+        t_hi = tl.where((tl.load(kall_ptr) != 0) & (qe1 != 0), t_lo, t_hi)
     if STATIC_TILES == 0:
         for t in range(t_lo, t_hi):
-            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
-                         out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
-                         IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FP4_FP8)
-        if FILL:
+            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows, row_ok, lo, hi, base, k_ptr,
+                         kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
+                         IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
+        if FILL and FOLD_PASS != 2:
             for t in range(t_begin, tl.minimum(t_lo, t_end)):
                 _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
             for t in range(tl.maximum(t_hi, t_begin), t_end):
@@ -250,11 +303,11 @@ def _mqa_logits_kernel(
         for it in range(STATIC_TILES):
             t = t_begin + it
             if (t >= t_lo) & (t < t_hi):
-                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr,
-                             kf_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
-                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FP4_FP8)
+                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows, row_ok, lo, hi, base,
+                             k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
+                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
             else:
-                if FILL:
+                if FILL and FOLD_PASS != 2:
                     if t < t_end:
                         _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
 
@@ -288,15 +341,16 @@ def _exact_block(k_ptr, krow, j_ok, kword, qT, qe, b: tl.constexpr, BLOCK_KV: tl
 
 
 @triton.jit
-def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
-                 out_ptr, SKV, W, stride_out, H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
+def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
+                 k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
                  LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
                  DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
-                 OUT_KIND: tl.constexpr, FP4_FP8: tl.constexpr):
+                 OUT_KIND: tl.constexpr, FOLD_PASS: tl.constexpr):
     R: tl.constexpr = BQ * H
     j = t * BLOCK_KV + tl.arange(0, BLOCK_KV)
     j_ok = j < SKV
     krow = j.to(tl.int64)
+    mine = j_ok      # the tile's keys this launch writes (all, except in the two FP4 fold passes)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
         k_scale = tl.load(kf_ptr + krow, mask=j_ok, other=0.0)
@@ -310,27 +364,27 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok,
         v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
         logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * k_scale[:, None]
     elif LAYOUT == 1:
-        col = tl.arange(0, 64)
-        kp = tl.load(k_ptr + krow[:, None] * 64 + col[None, :], mask=j_ok[:, None], other=0)
-        kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
-        if FP4_FP8:
-            # keys and query rows whose block exponents fold exactly into e4m3 (_fold_ok): one fp8 dot per
-            # half, then the two power-of-two scales; any other tile: the bf16 dots
-            k_ok, ke_max = _fold_ok(kword)
-            fold = tl.min((k_ok | ~j_ok).to(tl.int32), axis=0) * tl.min(qe1, axis=0)
-            if fold != 0:
-                k8_lo, k8_hi = _fp4_rel_fp8(kp, kword, ke_max, col)
-                acc = tl.dot(k8_lo, qT2, max_num_imprecise_acc=IMPRECISE)
-                acc = tl.dot(k8_hi, qT3, acc, max_num_imprecise_acc=IMPRECISE)
-                sk = (ke_max << 23).to(tl.float32, bitcast=True)
-                sq = (qe0 << 23).to(tl.float32, bitcast=True)
-                acc = (acc * sk[:, None]) * sq[None, :]
+        if FOLD_PASS != 0:
+            # keys folded into e4m3 by the pre-pass (kt: the tile's keys all fold) against the folded query rows
+            # (qe1: all of the program's rows fold): pass 1 takes the tiles where both fold (one fp8 dot, the key
+            # scale after the head sum, as FP8's), pass 2 the others (bf16 dots); each tile is written by one pass
+            fold = (tl.load(kt_ptr + t) != 0) & (qe1 != 0)
+            if FOLD_PASS == 1:   # computed without a branch (as FP8's tile), stored only where it folds
+                mine = j_ok & fold
+                d = tl.arange(0, 128)
+                k8 = tl.load(k8_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0.0)
+                acc = tl.dot(k8, qT2, max_num_imprecise_acc=IMPRECISE)
+                v = tl.where(acc < 0, 0.0, acc) * w_fold[None, :]
+                ksc = tl.load(ksc_ptr + krow, mask=j_ok, other=0.0)
+                logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * ksc[:, None]
             else:
-                acc = _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV, R, DOT_F32)
+                mine = j_ok & ~fold
+                if fold:
+                    logit = tl.zeros((BLOCK_KV, BQ), tl.float32)
+                else:
+                    logit = _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H, BQ, BLOCK_KV, DOT_F32)
         else:
-            acc = _fp4_bf16_acc(kp, kword, col, qT0, qT1, BLOCK_KV, R, DOT_F32)
-        v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
-        logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2)
+            logit = _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H, BQ, BLOCK_KV, DOT_F32)
     else:
         kword = tl.load(kf_ptr + krow, mask=j_ok, other=0)
         v0 = _exact_block(k_ptr, krow, j_ok, kword, qT0, qe0, 0, BLOCK_KV, R, DOT_INT)
@@ -341,7 +395,7 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok,
         tv = tl.where(head < 0, 0.0, head) * w_col[None, :]                       # [BLOCK_KV, R]
         logit = tl.reshape(F.canonical_sum_row(tl.reshape(tv, (BLOCK_KV * BQ, H)), BLOCK_KV * BQ, H),
                            (BLOCK_KV, BQ))
-    valid = (j[:, None] >= lo[None, :]) & (j[:, None] < hi[None, :]) & row_ok[None, :]
+    valid = (j[:, None] >= lo[None, :]) & (j[:, None] < hi[None, :]) & row_ok[None, :] & mine[:, None]
     r64 = rows.to(tl.int64)[None, :] * stride_out
     if COMPRESSED:
         c = j[:, None] - base[None, :]
@@ -350,7 +404,7 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rows, row_ok,
     else:
         if CLEAN:
             _store(out_ptr, r64 + j[:, None], tl.where(valid, logit, float("-inf")),
-                   j_ok[:, None] & row_ok[None, :], OUT_KIND)
+                   mine[:, None] & row_ok[None, :], OUT_KIND)
         else:
             _store(out_ptr, r64 + j[:, None], logit, valid, OUT_KIND)
 
@@ -362,12 +416,17 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+FOLD_CONFIG = 0                  # FP4 folded into e4m3: pass 1 runs with the fp8 kernel's configuration
+FOLD_FALLBACK_LAUNCH = (8, 2)    # pass 2 (the bf16 dots of the tiles that do not fold): warps, stages
+
+
 def kernel_config(layout_id: int, H: int) -> tuple[int, int, int, int]:
     """(rows per program, keys per tile, warps, stages) of the GPU launch, chosen from the sm_90 compiles of
     tests/test_triton_prefill_aot.py (no register spills at H = 64): FP8 128 query rows (rows x heads) against
     128-key tiles in 4 warps, so that two programs per SM overlap one's MMA with the other's epilogue (64 rows
-    below H = 64, 8 warps at H = 128); FP4 fast 128 x 64 in 8 warps; exact FP4 64 x 64 in 8 warps (its
-    per-block epilogue holds four [keys, rows] tiles)."""
+    below H = 64, 8 warps at H = 128); FP4 with bf16 dots 128 x 64 in 8 warps; exact FP4 64 x 64 in 8 warps
+    (its per-block epilogue holds four [keys, rows] tiles). FP4 folded into e4m3 takes FP8's (FOLD_CONFIG), its
+    second pass FOLD_FALLBACK_LAUNCH's warps and stages."""
     if layout_id == 0:
         qrows, bkv, warps, stages = (128 if H >= 64 else 64), 128, (8 if H >= 128 else 4), 3
     elif layout_id == 1:
@@ -415,7 +474,10 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
         return out
     layout_id = 2 if (layout == "fp4" and exact) else LAYOUT_IDS[layout]
     interp = _interpreting() or dev.type != "cuda"
-    cfg = default_config(S, SKV, H, layout_id, dev)
+    if fp4_dot not in (None, "fp8", "bf16"):
+        raise ValueError(f"fp4_dot: expected None, 'fp8' or 'bf16', got {fp4_dot!r}")
+    fp4_fp8 = layout_id == 1 and (native_fp8_for(dev, "e4m3fn") if fp4_dot is None else fp4_dot == "fp8")
+    cfg = default_config(S, SKV, H, FOLD_CONFIG if fp4_fp8 else layout_id, dev)
     for name, val in (("block_q", block_q), ("block_kv", block_kv), ("tiles_per_prog", tiles_per_prog),
                       ("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None:
@@ -426,9 +488,6 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     fnuz = layout == "fp8" and fp8_flavour == "e4m3fnuz"
     native = layout == "fp8" and (native_fp8_for(dev, fp8_flavour or "e4m3fn") if fp8_dot is None else bool(fp8_dot))
     dot_int = (not interp) if int_dot is None else bool(int_dot)
-    if fp4_dot not in (None, "fp8", "bf16"):
-        raise ValueError(f"fp4_dot: expected None, 'fp8' or 'bf16', got {fp4_dot!r}")
-    fp4_fp8 = layout_id == 1 and (native_fp8_for(dev, "e4m3fn") if fp4_dot is None else fp4_dot == "fp8")
     if layout == "fp8":
         if native:
             fp8_dtype = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
@@ -438,15 +497,28 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
         kf = k_scale.contiguous().view(torch.int32).reshape(SKV)
         qs = q_scale.contiguous().view(torch.int32).reshape(S * H)
     num_tiles = _cdiv(SKV, bkv)
+    k8, ksc, kt, kall = k, kf, kf, kf
+    if fp4_fp8:   # the keys folded into e4m3 once (not once per row block), a flag per tile; kall: every key folds
+        k8 = torch.empty((SKV, 128), dtype=torch.float8_e4m3fn, device=dev)
+        ksc = torch.empty((SKV,), dtype=torch.float32, device=dev)
+        kt = torch.empty((num_tiles,), dtype=torch.int32, device=dev)
+        kall = torch.ones((1,), dtype=torch.int32, device=dev)
+        _fp4_keys_e4m3_kernel[(num_tiles,)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=bkv, num_warps=4)
     grid = (_cdiv(S, bq), _cdiv(num_tiles, tpp))
     out_kind = 1 if out.dtype == torch.bfloat16 else 0
-    _mqa_logits_kernel[grid](
-        q, qs, k, kf, weights, lo, hi, base, out, S, SKV, W, tpp, weights.stride(0), out.stride(0),
-        H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp, DOT_INT=dot_int,
-        IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
-        FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind,
-        STATIC_TILES=tpp if interp else 0, FP4_FP8=fp4_fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
+    # FP4 folded: pass 1 (the fp8 kernel's shape) writes the tiles that fold and the fills, pass 2 the others
+    passes = ((1, cfg["num_warps"], cfg["num_stages"]), (2,) + FOLD_FALLBACK_LAUNCH) if fp4_fp8 else \
+        ((0, cfg["num_warps"], cfg["num_stages"]),)
+    for fold_pass, warps, stages in passes:
+        if num_warps is not None or num_stages is not None:
+            warps, stages = cfg["num_warps"], cfg["num_stages"]
+        _mqa_logits_kernel[grid](
+            q, qs, k, kf, k8, ksc, kt, kall, weights, lo, hi, base, out, S, SKV, W, tpp, weights.stride(0), out.stride(0),
+            H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp,
+            DOT_INT=dot_int, IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
+            FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind, STATIC_TILES=tpp if interp else 0,
+            FOLD_PASS=fold_pass, num_warps=warps, num_stages=stages,
+            enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
     return out
 
 
@@ -567,25 +639,31 @@ OPS = {"mqa_logits": mqa_logits, "mqa_topk": mqa_topk, "gather_index_cache": gat
 # AOT compilation (tests/test_triton_prefill_aot.py)
 # ------------------------------------------------------------------------------------------------
 def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=False, fnuz=False, int_dot=True,
-                fp4_fp8=False, block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False, w_dtype="fp32",
-                num_warps=None, num_stages=None):
+                fp4_fp8=False, fold_pass=1, block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False,
+                w_dtype="fp32", num_warps=None, num_stages=None):
     """Compile the mqa_logits kernel for a GPUTarget without a GPU (the launcher's default block sizes unless
-    given). Returns the CompiledKernel."""
+    given; fp4_fp8: the FP4 folded pass fold_pass, 1 or 2). Returns the CompiledKernel."""
     from triton.compiler import ASTSource
     lid = 2 if (layout == "fp4" and exact) else LAYOUT_IDS[layout]
-    bq_default, bkv_default, warps, stages = kernel_config(lid, H)
+    fp8 = lid == 0
+    fold = bool(fp4_fp8 and lid == 1)
+    bq_default, bkv_default, warps, stages = kernel_config(FOLD_CONFIG if fold else lid, H)
+    if fold and fold_pass == 2:
+        warps, stages = FOLD_FALLBACK_LAUNCH
     bq = block_q or bq_default
     bkv = block_kv or bkv_default
-    fp8 = lid == 0
     f8 = ("*fp8e4b8" if fnuz else "*fp8e4nv") if (fp8 and fp8_native) else "*u8"
     sig = {"q_ptr": f8, "qs_ptr": f8 if fp8 else "*i32", "k_ptr": f8, "kf_ptr": "*fp32" if fp8 else "*i32",
+           "k8_ptr": "*fp8e4nv" if fold else f8, "ksc_ptr": "*fp32" if fold or fp8 else "*i32",
+           "kt_ptr": "*i32" if fold else ("*fp32" if fp8 else "*i32"),
+           "kall_ptr": "*i32" if fold else ("*fp32" if fp8 else "*i32"),
            "w_ptr": f"*{w_dtype}", "lo_ptr": "*i32", "hi_ptr": "*i32", "base_ptr": "*i32",
            "out_ptr": "*bf16" if out_bf16 else "*fp32", "S": "i32", "SKV": "i32", "W": "i32", "tiles_per_prog": "i32",
            "stride_w": "i32", "stride_out": "i32"}
     cx = dict(H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=bool(fp8_native and fp8), FNUZ=bool(fnuz and fp8),
               DOT_F32=False, DOT_INT=bool(int_dot), IMPRECISE=32, CLEAN=bool(clean), COMPRESSED=bool(compressed),
               FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0,
-              FP4_FP8=bool(fp4_fp8 and lid == 1))
+              FOLD_PASS=fold_pass if fold else 0)
     names = list(sig)
     sig.update({k: "constexpr" for k in cx})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
@@ -593,6 +671,16 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     opts = dict(num_warps=num_warps or warps, num_stages=num_stages or (min(stages, 2) if target.backend == "hip"
                                                                         else stages), enable_fp_fusion=lid != 2)
     return triton.compile(src, target=target, options=opts)
+
+
+def aot_compile_fold(target):
+    """Compile the FP4 keys' e4m3 pre-pass for a GPUTarget without a GPU."""
+    from triton.compiler import ASTSource
+    sig = {"k_ptr": "*u8", "kf_ptr": "*i32", "k8_ptr": "*fp8e4nv", "ksc_ptr": "*fp32", "kt_ptr": "*i32",
+           "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    src = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128}, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=4))
 
 
 def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
