@@ -25,7 +25,7 @@ SLOW_FILES = {
     "test_header_host.py", "test_header_compress_host.py", "test_hip_build.py", "test_properties.py",
     "test_triton_aot.py", "test_triton_fp4_packed.py", "test_triton_quant.py", "test_triton_scorer.py",
     "test_triton_scorer_aot.py", "test_triton_compress.py", "test_compress_build.py", "test_compress_host.py", "test_wheels.py",
-    "test_topk_host.py", "test_kstore_host.py",
+    "test_topk_host.py", "test_kstore_host.py", "test_prefill_host.py",
 }
 
 

@@ -26,7 +26,7 @@ import check_library  # noqa: E402
 
 LIB = find_library("libdsaquant_cuda.so", "dsaquant_cuda13")
 pytestmark = pytest.mark.skipif(LIB is None, reason="libdsaquant_cuda.so was not built here (no nvcc at install time)")
-EXPORTS = abi.CUDA_EXPORTS   # the C interface, kernels/cuda/scorer.h and kernels/cuda/topk.h
+EXPORTS = abi.CUDA_EXPORTS   # the C interface, kernels/cuda/scorer.h, topk.h and prefill.h
 
 
 def needed_libraries(path: str) -> list[str]:
@@ -90,7 +90,7 @@ def test_registers_every_writer():
     assert set(dispatch.ops_of("cuda")) >= {"indexer_qk_rope_quant_and_cache", "index_k_norm_rope_pack_store",
                                             "index_q_rope_pack_weights", "rope_fake_quant_fp4",
                                             "rmsnorm_rope_rotate_fp4quant_kvcache", "compress_kv", "rope_rotate_quant",
-                                            "paged_mqa_logits", "topk_indices"}
+                                            "paged_mqa_logits", "topk_indices", "mqa_logits"}
 
 
 def test_scorer_struct_matches_its_mirror():

@@ -27,10 +27,15 @@ def test_triton_first_writers_on_nvidia(op, size):
 
 
 @pytest.mark.parametrize("op", ["indexer_qk_rope_quant_and_cache", "index_q_rope_pack_weights", "paged_mqa_logits",
-                                "topk_indices", "rope_fake_quant_fp4", "mqa_logits", "no_such_op"])
+                                "topk_indices", "rope_fake_quant_fp4", "no_such_op"])
 @pytest.mark.parametrize("size", [None, 1, 1024, 8192])
 def test_default_order_on_nvidia(op, size):
     assert preference.order("nvidia", op, size) == NV == ("cuda", "triton", "reference")
+
+
+@pytest.mark.parametrize("size", [None, 1, 2048, 70000])
+def test_prefill_logits_triton_first_on_nvidia(size):
+    assert preference.order("nvidia", "mqa_logits", size) == TRITON_FIRST
 
 
 def test_variants_on_nvidia():

@@ -86,8 +86,9 @@ def log(msg: str) -> None:
 
 
 # ---- inputs and cache keys -------------------------------------------------------------------------------
-# NVIDIA-only sources: the decode scorer is written for sm_90a's wgmma; AMD scores with the Triton kernel.
-NVIDIA_ONLY = {"scorer.cu", "scorer.h", "wgmma.cuh"}
+# NVIDIA-only sources: the decode scorer and the prefill logits are written for sm_90a's wgmma; AMD scores with the
+# Triton kernels.
+NVIDIA_ONLY = {"scorer.cu", "scorer.h", "wgmma.cuh", "prefill.cu", "prefill.h", "prefill_body.cuh"}
 
 
 def cuda_sources() -> list[str]:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SOURCES = ["src/capi.cpp", "kernels/cuda/indexer.cu", "kernels/cuda/qpack.cu", "kernels/cuda/kstore_qpack.cu",
-                "kernels/cuda/selfcheck.cu", "kernels/cuda/compress.cu", "kernels/cuda/scorer.cu", "kernels/cuda/topk.cu"]
+                "kernels/cuda/selfcheck.cu", "kernels/cuda/compress.cu", "kernels/cuda/scorer.cu", "kernels/cuda/topk.cu",
+                "kernels/cuda/prefill.cu"]
 LIBRARY = "libdsaquant_cuda.so"   # the file name python/dsaquant/backends/cuda.py loads
 # Cubins for Hopper (sm_90a) and Blackwell (sm_100a), the fast paths, and compute_80 PTX that the driver compiles at
 # load time for every other NVIDIA GPU from sm_80 on (docs/wheels.md: which code a GPU runs).

@@ -45,9 +45,19 @@ def _pairs(a) -> int:
     return int((a["ke"].clamp(max=a["k"].shape[0]) - a["ks"].clamp(min=0)).clamp(min=0).sum())
 
 
-def bench_prefill(log=print, backend: str = "triton", S: int = 2048, SKV: int = 8192, H: int = 64,
+def bench_prefill(log=print, backends=None, S: int = 2048, SKV: int = 8192, H: int = 64,
                   topk_shape=(8192, 65536, 2048)):
-    """Rows: dict(op, S, SKV, H, backend, us, tflops[, peak_gb]) for each case; a failing case is logged and skipped."""
+    """Rows: dict(op, S, SKV, H, backend, us, tflops[, peak_gb]) for each case and backend (default: every
+    available GPU backend implementing the op); a failing case is logged and skipped."""
+    from . import dispatch
+    rows = []
+    for backend in backends or [b for b in ("triton", "cuda", "hip") if dispatch.available(b)[0]]:
+        if "mqa_logits" in dispatch.ops_of(backend):
+            rows += _bench_backend(log, backend, S, SKV, H, topk_shape, "mqa_topk" in dispatch.ops_of(backend))
+    return rows
+
+
+def _bench_backend(log, backend, S, SKV, H, topk_shape, topk):
     from .bench import _median_event_seconds, time_graph
     rows = []
     cases = (("mqa_logits fp8", "fp8", False, False), ("mqa_logits fp4", "fp4", False, False),
@@ -61,11 +71,11 @@ def bench_prefill(log=print, backend: str = "triton", S: int = 2048, SKV: int = 
             sec = time_graph(call, sets, calls=4, reps=10)
             flops = 2 * 128 * H * _pairs(sets[0])
             rows.append(dict(op=label, S=S, SKV=SKV, H=H, backend=backend, us=sec * 1e6, tflops=flops / sec / 1e12))
-            log(f"{label}: {sec * 1e6:.1f} us, {flops / sec / 1e12:.1f} TFLOP/s")
+            log(f"{label} ({backend}): {sec * 1e6:.1f} us, {flops / sec / 1e12:.1f} TFLOP/s")
         except Exception as e:  # report, keep benchmarking the rest
-            log(f"{label}: failed: {type(e).__name__}: {e}")
+            log(f"{label} ({backend}): failed: {type(e).__name__}: {e}")
     TS, TSKV, K = topk_shape
-    for layout in ("fp8", "fp4"):
+    for layout in ("fp8", "fp4") if topk else ():
         label = f"mqa_topk {layout} k={K}"
         try:
             a = make_prefill_inputs(layout, TS, TSKV, H, seed=7)

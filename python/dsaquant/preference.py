@@ -11,7 +11,8 @@ CUDA-graph medians at T = 1, 64, 1024, 8192, 32768, H = 64). An op whose ranking
 measured T has one order and no size range; a size range starts at the first measured T where the ranking
 turns; sizes and variants not measured keep the default order. Kept on the default order (cuda first):
 `index_q_rope_pack_weights` (cuda faster at every T but 1024, where triton is 3 % faster),
-`paged_mqa_logits` and `topk_indices` (cuda 2-3x faster than triton). On AMD the default order holds until
+`paged_mqa_logits` and `topk_indices` (cuda 2-3x faster than triton). `mqa_logits` puts triton first: its
+kernel is the measured one (benchmarks/results/h200.md, "Prefill"). On AMD the default order holds until
 measured.
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ TABLE: dict[str, dict[str, tuple[Rule, ...]]] = {
                         Rule(TRITON_FIRST, variant="ratio=4", min_size=16384, why="prefill FP4, T=32768: cuda "
                              "145.76 vs triton 109.04 µs (T=8192 34.03 vs 40.43, decode B=64 8.91 vs 10.43: "
                              "cuda)")),
+        "mqa_logits": (Rule(TRITON_FIRST, why="FP8, S=2048, SKV=8192, H=64: triton 545.8 µs (503.6 TFLOP/s); the "
+                            "cuda kernel (sm_90a wgmma) takes the lead once the bench measures it faster"),),
     },
     "amd": {},
 }

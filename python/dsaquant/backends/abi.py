@@ -93,7 +93,7 @@ C_INTERFACE = frozenset({"dsq_indexer", "dsq_kstore", "dsq_qpack", "dsq_compress
                          "dsq_fp8_selfcheck", "dsq_exp_ds", "dsq_abi_version", "dsq_abi_sizeof", "dsq_abi_field",
                          "dsq_error_string", "dsq_device_code", "dsq_kernel_code"})
 TOPK_EXPORTS = frozenset({"dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"})
-CUDA_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout"}
+CUDA_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout", "dsq_mqa_logits"}
 HIP_EXPORTS = C_INTERFACE | TOPK_EXPORTS | {"dsq_hip_fp4_selfcheck"}
 # Besides those the HIP library exports its kernels (clang keeps a HIP kernel visible whatever -fvisibility says: the
 # runtime finds it by name), all in dsaquant's namespaces, and each file's __hip_cuid_ marker.

@@ -222,6 +222,38 @@ def register_compiled(backend: str, lib) -> None:
             register(backend, "paged_mqa_logits", make_paged_mqa_logits(scorer_lib, splits))
         if hasattr(lib.cdll, "dsq_topk_indices"):
             register(backend, "topk_indices", _topk_over(lib.cdll))
+        if hasattr(lib.cdll, "dsq_mqa_logits"):
+            register(backend, "mqa_logits", _mqa_logits_over(lib.cdll))
+
+
+def _mqa_logits_over(lib):
+    """The cuda backend's mqa_logits over kernels/cuda/prefill.cu's C ABI (backends/prefill_abi.py): the FP8
+    layout on sm_90a. Every other call (FP4, e4m3fnuz codes, other devices, prefill_abi.supported) goes to the
+    Triton kernel, as does a call the library answers with cudaErrorNotSupported."""
+    from . import prefill_abi
+
+    def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
+                   compressed):
+        dev = q.device
+        if (dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+                and prefill_abi.supported(q, k, k_scale, weights, out, layout, fp8_flavour, exact)):
+            if out.shape[0] == 0 or out.shape[1] == 0:
+                return out
+            if compressed and clean_logits:
+                out.fill_(float("-inf"))   # the kernel writes the valid entries of the compressed form only
+            a = prefill_abi.make_args(q.view(torch.uint8), k.view(torch.uint8), k_scale.reshape(-1), weights, lo, hi,
+                                      base, out, clean_logits, compressed)
+            with torch.cuda.device(dev):
+                rc = prefill_abi.call(lib, a, torch.cuda.current_stream(dev).cuda_stream)
+            if rc == 0:
+                return out
+            if rc != prefill_abi.ERR_NOT_SUPPORTED:
+                raise RuntimeError(f"dsaquant: launching mqa_logits failed with CUDA error {rc}")
+        from ..triton.prefill import mqa_logits as triton_mqa_logits
+        return triton_mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact,
+                                 clean_logits, compressed)
+
+    return mqa_logits
 
 
 def _topk_over(lib):

@@ -1,0 +1,274 @@
+// kernels/cuda/prefill_body.cuh: the block body of the ragged prefill logits (docs/prefill.md `mqa_logits`, FP8
+// layout), written once against a layer that its includer defines, so that the same code runs on the GPU
+// (kernels/cuda/prefill.cu: cp.async, sm_90a wgmma) and under the host emulator of the tests
+// (tests/cpp/prefill_host.cpp), which holds it to the reference.
+//
+//   logits[i, j] = k_scale[j] * sum_h w[i, h] * relu(q[i, h, :] . k[j, :])   for lo[i] <= j < hi[i]
+//
+// A block of kThreads = 128 threads (one warpgroup) owns the NQ = 128 / H query rows i0 .. i0 + NQ - 1 (the
+// NT = 128 rows (i, h) of the matrix product's N side) and a split of the 64-key tiles; it scores the tiles
+// that meet the union of its rows' ranges:
+//   * the q rows are loaded once into shared memory (e4m3, 128-byte rows, 16-byte chunk c of row r at
+//     c ^ (r % 8): the layout of the MMA's K-major operands); each thread keeps the head weights of its
+//     accumulator columns in registers;
+//   * key tiles (64 rows of 128 bytes, and their 64 scales) stream into kStages shared-memory stages by
+//     16-byte asynchronous copies, kStages - 1 tiles ahead of the one computed; keys past SKV are zero-filled;
+//   * per tile acc[64 keys x 128 rows] = K_tile . Q^T (fp32 accumulation), then the epilogue in registers:
+//     relu (NaN kept) times the head weight, summed over each row's H heads (in the thread, then over the 4
+//     lanes that share an accumulator row), times the key's scale, stored: full output (every key j < SKV:
+//     the logit inside the row's range, -inf outside with `clean`, untouched without) or compressed (column
+//     j - base[i] where it lies in [0, W)).
+// Tiles of the split outside the union of the rows' ranges are only filled with -inf (full output, `clean`).
+//
+// The includer defines, in namespace dsqpf, before including this file:
+//   PF_FN                                  function qualifiers (__device__ __forceinline__, or inline)
+//   int thread_id(); void block_sync();    thread index in the block, the block barrier
+//   float shfl_xor(float v, int m);        32-lane butterfly exchange
+//   void cp16(void* smem, const void* g); void cp_commit(); template <int N> void cp_wait();
+//                                          asynchronous 16-byte copies into shared memory, committed in groups;
+//                                          cp_wait<N> returns when at most N of this thread's groups are pending
+//   void async_fence();                    this thread's shared-memory writes (copies and stores) made visible
+//                                          to the matrix unit (before the barrier that publishes them)
+//   void mma_tile(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows);
+//                                          acc = K . Q^T over K = 128 for a tile (64 rows) and the q rows (128 rows),
+//                                          both in the layout above at 1024-byte aligned addresses, all 128 threads
+//                                          together; returns when acc holds the result: thread t (warp w, lane l)
+//                                          holds row 16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at
+//                                          acc[4 c + 2 i + j]
+//   float relu_nan(float x);               max(x, 0), NaN kept
+#pragma once
+
+#include <cstdint>
+
+#include "dsaquant/dsaquant.h"
+#include "prefill.h"
+
+namespace dsqpf {
+
+constexpr int kThreads = 128;
+constexpr int kTile = DSQ_PREFILL_TILE;   // keys per tile
+constexpr int kRows = 128;                // q rows (query, head) of a block: the MMA's N side
+#ifndef DSQ_PREFILL_STAGES
+#define DSQ_PREFILL_STAGES 4
+#endif
+constexpr int kStages = DSQ_PREFILL_STAGES;
+static_assert(kStages >= 2, "DSQ_PREFILL_STAGES: at least 2");
+
+// Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales.
+constexpr int kSmemQ = 0;
+constexpr int kSmemK = kRows * 128;
+constexpr int kSmemScale = kSmemK + kStages * kTile * 128;
+constexpr int kSmemBytes = kSmemScale + kStages * kTile * 4;
+
+// Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows (the MMA's 128-byte swizzle).
+PF_FN int swizzled(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+PF_FN float load_weight(const DsqMqaLogitsArgs& a, int64_t i, int h) {
+  const int64_t off = i * a.w_row + h * a.w_head;
+  if (a.w_dtype == dsq::kBF16) return dsq::bf16_to_f32(static_cast<const uint16_t*>(a.weights)[off]);
+  return static_cast<const float*>(a.weights)[off];
+}
+
+PF_FN void store_logit(const DsqMqaLogitsArgs& a, int64_t i, int64_t col, float v) {
+  if (a.out_dtype == dsq::kBF16)
+    static_cast<uint16_t*>(a.out)[i * a.ld + col] = dsq::round_bf16(v);
+  else
+    static_cast<float*>(a.out)[i * a.ld + col] = dsq::canon_nan(v);
+}
+
+// Tiles per block of rows for `splits` key splits (the host's plan; 0 < splits).
+inline int64_t tiles_per_split(int64_t SKV, int64_t splits) {
+  const int64_t tiles = (SKV + kTile - 1) / kTile;
+  return (tiles + splits - 1) / splits;
+}
+
+// Block (qb, sp): rows qb * NQ .., key tiles [sp * tpc, (sp + 1) * tpc). smem: kSmemBytes, 1024-aligned.
+template <int H>
+PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, int64_t tpc, uint8_t* smem) {
+  constexpr int NQ = kRows / H;
+  const int tid = thread_id(), lane = tid & 31, warp = tid >> 5;
+  const int64_t i0 = qb * NQ;
+  const int SKV = static_cast<int>(a.SKV);
+
+  // ---- the rows' ranges and the union of the nonempty ones --------------------------------------------------
+  int lo[NQ], hi[NQ], base[NQ];
+  bool live[NQ];
+  int lo_min = SKV, hi_max = 0;
+  DSQ_UNROLL
+  for (int qi = 0; qi < NQ; ++qi) {
+    live[qi] = i0 + qi < a.S;
+    lo[qi] = live[qi] ? a.lo[i0 + qi] : 0;
+    hi[qi] = live[qi] ? a.hi[i0 + qi] : 0;
+    base[qi] = live[qi] && a.compressed ? a.base[i0 + qi] : 0;
+    if (lo[qi] < hi[qi]) {
+      lo_min = lo[qi] < lo_min ? lo[qi] : lo_min;
+      hi_max = hi[qi] > hi_max ? hi[qi] : hi_max;
+    }
+  }
+  const int64_t ntiles = (a.SKV + kTile - 1) / kTile;
+  const int t_begin = static_cast<int>(sp * tpc);
+  const int t_end = static_cast<int>(t_begin + tpc < ntiles ? t_begin + tpc : ntiles);
+  int t_lo = lo_min / kTile > t_begin ? lo_min / kTile : t_begin;
+  int t_hi = (hi_max + kTile - 1) / kTile < t_end ? (hi_max + kTile - 1) / kTile : t_end;
+  if (t_lo >= t_hi) t_lo = t_hi = t_end;   // nothing to score: the whole split is filled (clean)
+  const int n = t_hi - t_lo;
+
+  uint8_t* const sq = smem + kSmemQ;
+  uint8_t* const sk = smem + kSmemK;
+  float* const ssc = reinterpret_cast<float*>(smem + kSmemScale);
+  const uint8_t* const k = static_cast<const uint8_t*>(a.k);
+
+  // ---- tile t (keys t*64 ..) into stage s: 4 chunks of 16 bytes a thread, 16 threads copy the scales -------
+  auto issue = [&](int t, int s) {
+    uint8_t* const dst = sk + s * (kTile * 128);
+    DSQ_UNROLL
+    for (int u = 0; u < kTile * 8 / kThreads; ++u) {
+      const int q = tid + kThreads * u, m = q >> 3, c = q & 7;
+      const int j = t * kTile + m;
+      if (j < SKV) {
+        cp16(dst + swizzled(m, c), k + static_cast<int64_t>(j) * 128 + c * 16);
+      } else {
+        uint32_t* z = reinterpret_cast<uint32_t*>(dst + swizzled(m, c));
+        z[0] = z[1] = z[2] = z[3] = 0u;
+      }
+    }
+    if (tid < kTile / 4) {
+      const int m = tid * 4, j = t * kTile + m;
+      float* const d = ssc + s * kTile + m;
+      if (j + 4 <= SKV) {
+        cp16(d, a.k_scale + j);
+      } else {
+        DSQ_UNROLL
+        for (int e = 0; e < 4; ++e) d[e] = j + e < SKV ? a.k_scale[j + e] : 0.0f;
+      }
+    }
+  };
+  DSQ_UNROLL
+  for (int p = 0; p < kStages - 1; ++p) {
+    if (p < n) issue(t_lo + p, p);
+    cp_commit();   // one group per stage, empty or not: cp_wait counts groups
+  }
+
+  // ---- the q rows (zero for rows past S) and this thread's head weights ----------------------------------
+  const uint8_t* const q = static_cast<const uint8_t*>(a.q);
+  DSQ_UNROLL
+  for (int u = 0; u < kRows * 8 / kThreads; ++u) {
+    const int idx = tid + kThreads * u, r = idx >> 3, c = idx & 7;
+    uint32_t* d = reinterpret_cast<uint32_t*>(sq + swizzled(r, c));
+    if (i0 + r / H < a.S) {
+      const uint32_t* s = reinterpret_cast<const uint32_t*>(q + ((i0 + r / H) * H + r % H) * 128 + c * 16);
+      d[0] = s[0];
+      d[1] = s[1];
+      d[2] = s[2];
+      d[3] = s[3];
+    } else {
+      d[0] = d[1] = d[2] = d[3] = 0u;
+    }
+  }
+  float wr[kRows / 4];   // column 8 c + 2 (lane % 4) + j at wr[2 c + j]
+  DSQ_UNROLL
+  for (int c = 0; c < kRows / 8; ++c)
+    DSQ_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int col = 8 * c + 2 * (lane & 3) + j, qi = col / H;
+      wr[2 * c + j] = i0 + qi < a.S ? load_weight(a, i0 + qi, col % H) : 0.0f;
+    }
+  async_fence();   // the q rows, written with plain stores, are read by the matrix unit
+
+  // ---- the tiles -----------------------------------------------------------------------------------------
+  const float ninf = dsq::u2f(0xFF800000u);
+  const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows (keys): m0 and m0 + 8
+  float acc[64];
+  for (int it = 0; it < n; ++it) {
+    cp_wait<kStages - 2>();   // tile it's copies (the oldest group) have landed
+    async_fence();
+    block_sync();             // every thread's copies and stores of tile it visible; tile it - 1 no longer read
+    if (it + kStages - 1 < n) issue(t_lo + it + kStages - 1, (it + kStages - 1) % kStages);
+    cp_commit();
+    const int s = it % kStages;
+    mma_tile(acc, sk + s * (kTile * 128), sq);
+
+    // epilogue: keys j0 = t*64 + m0 and j0 + 8
+    const int t = t_lo + it;
+    float s0[NQ], s1[NQ];
+    DSQ_UNROLL
+    for (int qi = 0; qi < NQ; ++qi) s0[qi] = s1[qi] = 0.0f;
+    DSQ_UNROLL
+    for (int c = 0; c < kRows / 8; ++c) {
+      const int qi = c / (H / 8);
+      DSQ_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        s0[qi] = s0[qi] + wr[2 * c + j] * relu_nan(acc[4 * c + j]);
+        s1[qi] = s1[qi] + wr[2 * c + j] * relu_nan(acc[4 * c + 2 + j]);
+      }
+    }
+    const float sc[2] = {ssc[s * kTile + m0], ssc[s * kTile + m0 + 8]};
+    DSQ_UNROLL
+    for (int qi = 0; qi < NQ; ++qi) {
+      float v[2] = {s0[qi], s1[qi]};
+      DSQ_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        v[e] += shfl_xor(v[e], 1);
+        v[e] += shfl_xor(v[e], 2);
+      }
+      if ((lane & 3) != (qi & 3) || !live[qi]) continue;   // the quad's lanes take turns at the stores
+      DSQ_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int j = t * kTile + m0 + 8 * e;
+        if (j >= SKV) continue;
+        const bool in = j >= lo[qi] && j < hi[qi];
+        if (a.compressed) {
+          const int64_t col = static_cast<int64_t>(j) - base[qi];
+          if (in && col >= 0 && col < a.W) store_logit(a, i0 + qi, col, v[e] * sc[e]);
+        } else if (in) {
+          store_logit(a, i0 + qi, j, v[e] * sc[e]);
+        } else if (a.clean) {
+          store_logit(a, i0 + qi, j, ninf);
+        }
+      }
+    }
+  }
+  cp_wait<0>();   // no copy may land in the block's shared memory after it exits
+
+  // ---- the split's tiles outside the rows' ranges: -inf (full output, clean) ------------------------------
+  if (a.clean && !a.compressed) {
+    const int f0 = t_begin * kTile, f1 = t_lo * kTile < SKV ? t_lo * kTile : SKV, f2 = t_hi * kTile;
+    const int f3 = t_end * kTile < SKV ? t_end * kTile : SKV;
+    DSQ_UNROLL
+    for (int qi = 0; qi < NQ; ++qi) {
+      if (!live[qi]) continue;
+      for (int j = f0 + tid; j < f1; j += kThreads) store_logit(a, i0 + qi, j, ninf);
+      for (int j = f2 + tid; j < f3; j += kThreads) store_logit(a, i0 + qi, j, ninf);
+    }
+  }
+}
+
+// The launch's shape: blocks of rows, key splits (splits <= 0: enough blocks for `slots` resident blocks, at
+// least 2 waves' worth of blocks where the rows allow it).
+struct Plan {
+  int64_t row_blocks, splits, tpc;
+};
+inline Plan plan(const DsqMqaLogitsArgs& a, int64_t slots) {
+  Plan p;
+  const int64_t nq = kRows / a.H;
+  const int64_t tiles = (a.SKV + kTile - 1) / kTile;
+  p.row_blocks = (a.S + nq - 1) / nq;
+  int64_t splits = a.splits;
+  if (splits <= 0) splits = p.row_blocks >= 2 * slots ? 1 : (2 * slots + p.row_blocks - 1) / p.row_blocks;
+  splits = splits < 1 ? 1 : (splits > tiles ? (tiles > 0 ? tiles : 1) : splits);
+  p.tpc = tiles_per_split(a.SKV, splits);
+  p.splits = p.tpc > 0 ? (tiles + p.tpc - 1) / p.tpc : 1;
+  if (p.tpc == 0) p.tpc = 1;
+  return p;
+}
+
+// Argument checks made before any launch (cudaErrorInvalidValue = 1).
+inline int check(const DsqMqaLogitsArgs& a) {
+  if (a.H != 16 && a.H != 32 && a.H != 64 && a.H != 128) return 1;
+  if ((a.w_dtype != dsq::kF32 && a.w_dtype != dsq::kBF16) || (a.out_dtype != dsq::kF32 && a.out_dtype != dsq::kBF16))
+    return 1;
+  if (a.S < 0 || a.SKV < 0 || a.W < 0 || a.SKV >= (int64_t{1} << 31) - kTile || a.S >= (int64_t{1} << 31)) return 1;
+  return 0;
+}
+
+}  // namespace dsqpf

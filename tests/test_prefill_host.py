@@ -1,0 +1,188 @@
+"""The CUDA prefill logits' block body (kernels/cuda/prefill_body.cuh) on the CPU, against the reference.
+
+tests/cpp/prefill_host.cpp runs the body unchanged under the fiber emulator of tests/cpp/fibers.h, with a layer
+modelled on the hardware (asynchronous copies that land only when their group is waited for, the matrix unit's
+swizzled operand addressing and accumulator fragments, garbage shared memory), through the backend's own
+argument struct (dsaquant.backends.prefill_abi). Every case compares with dsaquant.mqa_logits on the reference
+backend: -inf and untouched entries exactly where it has them, logits within 1e-5 of the row's largest
+magnitude (the emulated products are exact; the sums run in another order)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import dsaquant
+from dsaquant.backends import prefill_abi
+
+from conftest import REPO
+from host_cpp import build, cxx
+from test_prefill import RANGES, check_close, expected_layout, make, oracle
+
+CPP = REPO / "tests" / "cpp"
+SOURCES = [CPP / "prefill_host.cpp", REPO / "kernels" / "cuda" / "prefill_body.cuh", REPO / "kernels" / "cuda" / "prefill.h",
+           CPP / "fibers.h"]
+UNTOUCHED = 12345.0
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if cxx() is None:
+        pytest.skip("no C++ compiler")
+    so = build(SOURCES, "prefill_host", "the prefill emulator", includes=(str(CPP),))
+    h = ctypes.CDLL(str(so))
+    h.dsq_error_string.restype = ctypes.c_char_p
+    h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
+    return h
+
+
+def run(lib, a, ks, ke, *, W=0, clean=True, bf16=False, splits=0, slots=8, order=0):
+    """The emulated kernel's output for make() inputs `a` (as the op prepares a call), and the reference's."""
+    S, SKV = a["q"].shape[0], a["k"].shape[0]
+    Wd = W or SKV
+    dt = torch.bfloat16 if bf16 else torch.float32
+    ref = torch.full((S, Wd), UNTOUCHED, dtype=dt)
+    dsaquant.mqa_logits(ks=ks, ke=ke, layout="fp8", clean_logits=clean, out_dtype=dt, max_seqlen_k=W, out=ref,
+                        backend="reference", **a)
+    lo = ks.to(torch.int64).clamp(0, SKV).to(torch.int32)
+    hi = ke.to(torch.int64).clamp(0, SKV).to(torch.int32)
+    base = ks.to(torch.int64).clamp(-Wd, SKV).to(torch.int32) if W else torch.zeros(S, dtype=torch.int32)
+    out = torch.full((S, Wd), float("-inf") if (W and clean) else UNTOUCHED, dtype=dt)
+    q, k = a["q"].view(torch.uint8).contiguous(), a["k"].view(torch.uint8).contiguous()
+    args = prefill_abi.make_args(q, k, a["k_scale"].contiguous(), a["weights"], lo, hi, base, out, clean, bool(W),
+                                 splits)
+    lib.dsq_emu_set_order(order, 7)
+    lib.dsq_emu_set_slots(slots)
+    rc = prefill_abi.call(lib, args, 0)
+    assert rc == 0, f"rc {rc}: {lib.dsq_error_string(rc).decode()}"
+    return out, ref
+
+
+def compare(a, ks, ke, got, ref, W=0, bf16=False):
+    assert torch.equal(got == UNTOUCHED, ref == UNTOUCHED), "untouched entries differ"
+    keep = ref != UNTOUCHED
+    _, mag = oracle(a, "fp8")
+    mag = expected_layout(mag, ks, ke, a["k"].shape[0], W).nan_to_num(0, 0, 0).clamp_min(0)
+    g, r = torch.where(keep, got.float(), float("-inf")), torch.where(keep, ref.float(), float("-inf"))
+    check_close(g, r.to(torch.float64), mag, 1e-2 if bf16 else 1e-5)
+
+
+def _ranges(S, SKV, seed):
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.randint(-30, SKV, (S,), generator=g)
+    ke = ks + torch.randint(-10, SKV, (S,), generator=g)
+    ks[:3], ke[:3] = torch.tensor([0, SKV - 1, 5]), torch.tensor([SKV + 40, SKV, 5])   # full+, last key, empty
+    return ks, ke
+
+
+CASES = {   # name: (H, S, SKV, W, clean, bf16 out, bf16 weights, splits)
+    "H16-partial-tiles": (16, 20, 203, 0, True, False, False, 0),
+    "H32-compressed": (32, 9, 150, 40, True, False, False, 0),
+    "H64-noclean-bf16w": (64, 6, 80, 0, False, False, True, 0),
+    "H64-compressed-noclean-bf16": (64, 5, 130, 24, False, True, False, 0),
+    "H128-splits3": (128, 3, 260, 0, True, False, False, 3),
+    "H64-bf16-out": (64, 4, 70, 0, True, True, False, 0),
+}
+
+
+@pytest.mark.parametrize("order", [0, 2])
+@pytest.mark.parametrize("name", list(CASES))
+def test_body_against_reference(lib, name, order):
+    H, S, SKV, W, clean, bf16, bf16w, splits = CASES[name]
+    a = make("fp8", S=S, H=H, SKV=SKV, seed=H + S)
+    if bf16w:
+        a["weights"] = a["weights"].to(torch.bfloat16)
+    ks, ke = (RANGES if S == 6 else _ranges(S, SKV, S))
+    got, ref = run(lib, a, ks, ke, W=W, clean=clean, bf16=bf16, splits=splits, order=order)
+    compare(a, ks, ke, got, ref, W, bf16)
+
+
+def test_one_block_of_rows_many_splits(lib):
+    """Few rows: the plan splits the keys (16 slots, one block of rows); every split fills its own tiles."""
+    a = make("fp8", S=2, H=64, SKV=700, seed=3)
+    ks, ke = torch.tensor([100, -4]), torch.tensor([650, 300])
+    got, ref = run(lib, a, ks, ke, slots=16)
+    compare(a, ks, ke, got, ref)
+
+
+def test_nan_codes(lib):
+    """A NaN code of q makes its row's logits NaN for the keys it scores; one of k, that key's logits."""
+    a = make("fp8", S=6, H=16, SKV=80, seed=5)
+    q, k = a["q"].view(torch.uint8).clone(), a["k"].view(torch.uint8).clone()
+    q[1, 3, 7] = 0x7F
+    k[33, 100] = 0xFF
+    a["q"], a["k"] = q.view(torch.float8_e4m3fn), k.view(torch.float8_e4m3fn)
+    ks, ke = RANGES
+    got, ref = run(lib, a, ks, ke)
+    assert torch.equal(got.isnan(), ref.isnan()) and bool(got.isnan().any())
+    fin = ~ref.isnan()
+    compare(a, ks, ke, torch.where(fin, got, 0.0), torch.where(fin, ref, 0.0))
+
+
+def test_bad_arguments_write_nothing(lib):
+    a = make("fp8", S=2, H=16, SKV=64, seed=1)
+    S, SKV = 2, 64
+    z = torch.zeros(S, dtype=torch.int32)
+    out = torch.full((S, SKV), UNTOUCHED)
+    q, k = a["q"].view(torch.uint8), a["k"].view(torch.uint8)
+    args = prefill_abi.make_args(q, k, a["k_scale"], a["weights"], z, z + SKV, z, out, True, False)
+    for field, value in (("H", 8), ("w_dtype", 2), ("out_dtype", 4), ("S", -1)):
+        bad = prefill_abi.DsqMqaLogitsArgs.from_buffer_copy(args)
+        setattr(bad, field, value)
+        assert prefill_abi.call(lib, bad, 0) == 1, field
+    assert bool((out == UNTOUCHED).all())
+
+
+def test_struct_layout_matches_ctypes(tmp_path):
+    """prefill.h compiles as C and C++; its struct has the ctypes mirror's size and offsets."""
+    fields = [n for n, _ in prefill_abi.DsqMqaLogitsArgs._fields_]
+    for compiler, lang, std in (("gcc", "c", "-std=c11"), ("g++", "cpp", "-std=c++17")):
+        if shutil.which(compiler) is None:
+            pytest.skip(f"{compiler} not found")
+        src = tmp_path / f"layout.{lang}"
+        lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "prefill.h"', "int main(void) {",
+                 '  printf("size %zu\\n", sizeof(DsqMqaLogitsArgs));',
+                 '  printf("tile %d\\n", (int)DSQ_PREFILL_TILE);']
+        lines += [f'  printf("{f} %zu\\n", offsetof(DsqMqaLogitsArgs, {f}));' for f in fields]
+        src.write_text("\n".join(lines + ["  return 0;", "}"]) + "\n")
+        exe = tmp_path / f"layout_{lang}"
+        subprocess.run([compiler, std, "-Wall", "-Werror", f"-I{REPO / 'kernels' / 'cuda'}", str(src), "-o", str(exe)],
+                       check=True, capture_output=True, text=True)
+        got = dict(line.split(" ", 1) for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                                                                 text=True).stdout.splitlines())
+        assert int(got["size"]) == ctypes.sizeof(prefill_abi.DsqMqaLogitsArgs)
+        assert int(got["tile"]) == prefill_abi.TILE
+        for f in fields:
+            assert int(got[f]) == getattr(prefill_abi.DsqMqaLogitsArgs, f).offset, f
+
+
+@pytest.mark.parametrize("arch", ["90a", "100a"])
+def test_kernel_builds_without_spills(tmp_path, arch):
+    """prefill.cu compiles with the project's nvcc flags; the sm_90a kernels (one per H) run the fp8 wgmma and keep
+    everything in registers (no stack frame, no spills) within the 3 blocks an SM they ask for."""
+    import re
+    import sys
+    sys.path.insert(0, str(REPO / "tools"))
+    import build_native as bn
+    nvcc = bn.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
+    out = tmp_path / "prefill.cubin"
+    cmd = [nvcc, *flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-cubin",
+           str(REPO / "kernels" / "cuda" / "prefill.cu"), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+    assert "warning" not in res.stderr.lower().replace("ptxas info", ""), res.stderr
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), res.stderr
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
+    assert regs and max(regs) <= 65536 // (3 * 128), regs
+    if arch == "90a":
+        ptx = subprocess.run([nvcc, *flags, "-arch=compute_90a", "-ptx", str(REPO / "kernels" / "cuda" / "prefill.cu"),
+                              "-o", "-"], capture_output=True, text=True, check=True).stdout
+        assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 4 * 4
