@@ -9,8 +9,11 @@ magnitude (the emulated products are exact; the sums run in another order)."""
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,7 +43,7 @@ def lib():
     return h
 
 
-def run(lib, a, ks, ke, *, W=0, clean=True, bf16=False, splits=0, slots=8, order=0):
+def run(lib, a, ks, ke, *, W=0, clean=True, bf16=False, splits=0, slots=8, order=0, row_fold=None):
     """The emulated kernel's output for make() inputs `a` (as the op prepares a call), and the reference's."""
     S, SKV = a["q"].shape[0], a["k"].shape[0]
     Wd = W or SKV
@@ -54,7 +57,7 @@ def run(lib, a, ks, ke, *, W=0, clean=True, bf16=False, splits=0, slots=8, order
     out = torch.full((S, Wd), float("-inf") if (W and clean) else UNTOUCHED, dtype=dt)
     q, k = a["q"].view(torch.uint8).contiguous(), a["k"].view(torch.uint8).contiguous()
     args = prefill_abi.make_args(q, k, a["k_scale"].contiguous(), a["weights"], lo, hi, base, out, clean, bool(W),
-                                 splits)
+                                 splits, row_fold)
     lib.dsq_emu_set_order(order, 7)
     lib.dsq_emu_set_slots(slots)
     rc = prefill_abi.call(lib, args, 0)
@@ -107,6 +110,33 @@ def test_one_block_of_rows_many_splits(lib):
     ks, ke = torch.tensor([100, -4]), torch.tensor([650, 300])
     got, ref = run(lib, a, ks, ke, slots=16)
     compare(a, ks, ke, got, ref)
+
+
+@pytest.mark.parametrize("W", [0, 30])
+def test_fold_mode_leaves_the_other_entries(lib, W):
+    """Fold mode (row_fold given): the logits of rows with row_fold 0 and of keys with a scale <= 0 are left
+    untouched (another launch writes them); every other entry, -inf included, as without it."""
+    a = make("fp8", S=8, H=32, SKV=150, seed=9)
+    a["k_scale"][[3, 70, 149]] = -1.0
+    row_fold = torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=torch.int32)
+    ks, ke = _ranges(8, 150, 4)
+    got, ref = run(lib, a, ks, ke, W=W, row_fold=row_fold)
+    lo, hi = ks.clamp(0, 150), ke.clamp(0, 150)
+    j = torch.arange(150)
+    inr = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
+    other = inr & ((row_fold[:, None] == 0) | (a["k_scale"][None, :] <= 0))
+    if W:
+        c = j[None, :] - ks.clamp(-W, 150)[:, None]
+        full = torch.full((8, W), False)
+        for i, jj in other.nonzero().tolist():
+            if 0 <= int(c[i, jj]) < W:
+                full[i, int(c[i, jj])] = True
+        other = full
+        want = torch.where(other, float("-inf"), ref)   # the compressed form starts as -inf (clean)
+    else:
+        want = torch.where(other, UNTOUCHED, ref)
+    assert bool(other.any())
+    compare(a, ks, ke, got, want, W)
 
 
 def test_nan_codes(lib):
@@ -186,3 +216,56 @@ def test_kernel_builds_without_spills(tmp_path, arch):
         ptx = subprocess.run([nvcc, *flags, "-arch=compute_90a", "-ptx", str(REPO / "kernels" / "cuda" / "prefill.cu"),
                               "-o", "-"], capture_output=True, text=True, check=True).stdout
         assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 4 * 4
+
+
+# ---- FP4 folded into e4m3: the Triton pre-passes, the emulated kernel, then Triton's second pass -------------
+def _fold_pipeline(so):
+    """prefill_abi.run on FP4 inputs (TRITON_INTERPRET=1: the Triton kernels in the interpreter, the CUDA kernel
+    in the emulator): block exponents spanning up to the 14 binades that fold, one key that does not fold and one
+    query row with a zero-scale block. Returns the failures."""
+    h = ctypes.CDLL(so)
+    h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
+    h.dsq_emu_set_slots(4)
+    fails = []
+    a = make("fp4", S=6, H=32, SKV=150, exp_lo=118, exp_hi=133, seed=2)
+    a["k_scale"][37, 2] = 100
+    a["q_scale"][1, 5, 0] = 0
+    ks, ke = RANGES
+    for W, clean in ((0, True), (24, True), (0, False), (30, False)):
+        S, SKV = 6, 150
+        Wd = W or SKV
+        ref = torch.full((S, Wd), UNTOUCHED)
+        dsaquant.mqa_logits(ks=ks, ke=ke, layout="fp4", clean_logits=clean, max_seqlen_k=W, out=ref,
+                            backend="reference", **a)
+        lo = ks.clamp(0, SKV).to(torch.int32)
+        hi = ke.clamp(0, SKV).to(torch.int32)
+        base = ks.clamp(-Wd, SKV).to(torch.int32) if W else torch.zeros(S, dtype=torch.int32)
+        out = torch.full((S, Wd), UNTOUCHED)
+        rc = prefill_abi.run(h, 0, a["q"], a["q_scale"], a["k"], a["k_scale"], a["weights"], lo, hi, base, out, "fp4",
+                             clean, bool(W))
+        try:
+            assert rc == 0, rc
+            assert torch.equal(out == UNTOUCHED, ref == UNTOUCHED), "untouched entries differ"
+            _, mag = oracle(a, "fp4")
+            mag = expected_layout(mag, ks, ke, SKV, W).nan_to_num(0, 0, 0).clamp_min(0)
+            keep = ref != UNTOUCHED
+            check_close(torch.where(keep, out, float("-inf")), torch.where(keep, ref, float("-inf")).double(), mag)
+        except AssertionError as e:
+            fails.append(f"W={W} clean={clean}: {e}")
+    return fails
+
+
+def test_fp4_folded_pipeline(lib):
+    """The cuda backend's FP4 path (prefill_abi.run) end to end on the CPU, against the reference."""
+    pytest.importorskip("triton")
+    so = build(SOURCES, "prefill_host", "the prefill emulator", includes=(str(CPP),))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO / "python"), str(REPO / "tests")]))
+    r = subprocess.run([sys.executable, __file__, "--fold-worker", str(so)], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fails = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not fails, fails
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--fold-worker":
+    print(json.dumps(_fold_pipeline(sys.argv[2])))

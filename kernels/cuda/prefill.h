@@ -24,6 +24,9 @@ typedef struct DsqMqaLogitsArgs {
   const int32_t* lo;      /* [S]: row i scores the keys lo[i] <= j < hi[i] (0 <= lo, hi <= SKV; lo >= hi: none) */
   const int32_t* hi;      /* [S] */
   const int32_t* base;    /* [S]: compressed output: key j of row i goes to column j - base[i] if in [0, W) */
+  const int32_t* row_fold;  /* NULL, or FP4 folded into e4m3 by the pre-passes (docs/prefill.md): the logit of
+                               (i, j) is written only where row_fold[i] != 0 and k_scale[j] > 0 (another launch
+                               writes the others); -inf and the fills as without it */
   void* out;              /* fp32 or bf16 [S, ld]; W columns */
   int64_t S, SKV, H, W, ld, w_row, w_head;
   int32_t w_dtype;        /* 0 fp32, 1 bf16 */

@@ -17,7 +17,8 @@
 //     relu (NaN kept) times the head weight, summed over each row's H heads (in the thread, then over the 4
 //     lanes that share an accumulator row), times the key's scale, stored: full output (every key j < SKV:
 //     the logit inside the row's range, -inf outside with `clean`, untouched without) or compressed (column
-//     j - base[i] where it lies in [0, W)).
+//     j - base[i] where it lies in [0, W)). Fold mode (row_fold given): the logits of rows and keys that did not
+//     fold are left to another launch (prefill.h).
 // Tiles of the split outside the union of the rows' ranges are only filled with -inf (full output, `clean`).
 //
 // The includer defines, in namespace dsqpf, before including this file:
@@ -92,7 +93,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
 
   // ---- the rows' ranges and the union of the nonempty ones --------------------------------------------------
   int lo[NQ], hi[NQ], base[NQ];
-  bool live[NQ];
+  bool live[NQ], mine[NQ];   // mine: the row's logits are this launch's (fold mode: the row folds)
   int lo_min = SKV, hi_max = 0;
   DSQ_UNROLL
   for (int qi = 0; qi < NQ; ++qi) {
@@ -100,6 +101,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     lo[qi] = live[qi] ? a.lo[i0 + qi] : 0;
     hi[qi] = live[qi] ? a.hi[i0 + qi] : 0;
     base[qi] = live[qi] && a.compressed ? a.base[i0 + qi] : 0;
+    mine[qi] = a.row_fold == nullptr || (live[qi] && a.row_fold[i0 + qi] != 0);
     if (lo[qi] < hi[qi]) {
       lo_min = lo[qi] < lo_min ? lo[qi] : lo_min;
       hi_max = hi[qi] > hi_max ? hi[qi] : hi_max;
@@ -217,11 +219,12 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
         const int j = t * kTile + m0 + 8 * e;
         if (j >= SKV) continue;
         const bool in = j >= lo[qi] && j < hi[qi];
+        const bool own = mine[qi] && (a.row_fold == nullptr || sc[e] > 0.0f);
         if (a.compressed) {
           const int64_t col = static_cast<int64_t>(j) - base[qi];
-          if (in && col >= 0 && col < a.W) store_logit(a, i0 + qi, col, v[e] * sc[e]);
+          if (in && own && col >= 0 && col < a.W) store_logit(a, i0 + qi, col, v[e] * sc[e]);
         } else if (in) {
-          store_logit(a, i0 + qi, j, v[e] * sc[e]);
+          if (own) store_logit(a, i0 + qi, j, v[e] * sc[e]);
         } else if (a.clean) {
           store_logit(a, i0 + qi, j, ninf);
         }

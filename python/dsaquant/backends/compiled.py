@@ -227,24 +227,21 @@ def register_compiled(backend: str, lib) -> None:
 
 
 def _mqa_logits_over(lib):
-    """The cuda backend's mqa_logits over kernels/cuda/prefill.cu's C ABI (backends/prefill_abi.py): the FP8
-    layout on sm_90a. Every other call (FP4, e4m3fnuz codes, other devices, prefill_abi.supported) goes to the
-    Triton kernel, as does a call the library answers with cudaErrorNotSupported."""
+    """The cuda backend's mqa_logits over kernels/cuda/prefill.cu's C ABI (backends/prefill_abi.py), on sm_90a:
+    the FP8 layout; and the FP4 fast mode folded into e4m3 (docs/prefill.md): the Triton pre-passes fold the keys
+    and the query rows, the CUDA kernel writes the entries whose key and row fold, Triton's second pass the
+    others. Every other call (exact FP4, e4m3fnuz codes, other devices, prefill_abi.supported) runs the Triton
+    kernel, as does a call the library answers with cudaErrorNotSupported."""
     from . import prefill_abi
 
     def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
                    compressed):
         dev = q.device
-        if (dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
-                and prefill_abi.supported(q, k, k_scale, weights, out, layout, fp8_flavour, exact)):
-            if out.shape[0] == 0 or out.shape[1] == 0:
-                return out
-            if compressed and clean_logits:
-                out.fill_(float("-inf"))   # the kernel writes the valid entries of the compressed form only
-            a = prefill_abi.make_args(q.view(torch.uint8), k.view(torch.uint8), k_scale.reshape(-1), weights, lo, hi,
-                                      base, out, clean_logits, compressed)
+        if (dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0) and out.shape[0] * out.shape[1]
+                and k.shape[0] and prefill_abi.supported(q, k, k_scale, weights, out, layout, fp8_flavour, exact)):
             with torch.cuda.device(dev):
-                rc = prefill_abi.call(lib, a, torch.cuda.current_stream(dev).cuda_stream)
+                rc = prefill_abi.run(lib, torch.cuda.current_stream(dev).cuda_stream, q, q_scale, k, k_scale, weights,
+                                     lo, hi, base, out, layout, clean_logits, compressed)
             if rc == 0:
                 return out
             if rc != prefill_abi.ERR_NOT_SUPPORTED:

@@ -15,9 +15,10 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     FP4 fast mode: where the device has a native e4m3fn dot, the keys are folded into e4m3 once by a pre-pass
     (_fp4_keys_e4m3_kernel: rows whose 4 block exponents lie in [64, 190] within 14 of the largest are exact in
     e4m3 times a power of two), then FOLD_PASS 1 runs the FP8 tile (one fp8 dot, the query rows' powers of two
-    in the weights, the keys' after the head sum) on the tiles whose keys and query rows all fold, and
-    FOLD_PASS 2 the bf16 dots on the others (values decoded exactly: SPEC §1 values times a power of two,
-    split into the even and odd elements, two dots with K = 64). Other devices: the bf16 dots, one launch.
+    in the weights, the keys' after the head sum) and writes the logits whose key and query row fold, and
+    FOLD_PASS 2 the bf16 dots of the others (values decoded exactly: SPEC §1 values times a power of two, split
+    into the even and odd elements, two dots with K = 64). Other devices: the bf16 dots, one launch. The cuda
+    backend runs its own kernel as pass 1 (fold_keys, fold_queries: the pre-passes it needs).
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
@@ -159,6 +160,39 @@ def _fold_scale(emax):
 
 
 @triton.jit
+def _fold_query_rows(qp, qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
+    """The BQ query rows (BQ*H rows (i, h): payload [BQ*H, 64], exponent words, weights; r_ok: rows that exist)
+    folded into e4m3 -> (values [BQ*H, 128] in element order, weights times the rows' scales, [BQ] int32: every
+    head of the query folds, its weight product a normal number or 0 (rows that do not exist count as folding))."""
+    q_ok, q_emax = _fold_ok(qword)
+    q_emax = tl.where(q_ok, q_emax, 127)
+    w_fold = w_col * _fold_scale(q_emax)
+    aw = tl.abs(w_fold)
+    q_ok = q_ok & ((w_col == 0.0) | ((aw >= 1.1754943508222875e-38) & (aw < float("inf"))))
+    rfold = tl.min(tl.reshape((q_ok | ~r_ok).to(tl.int32), (BQ, H)), axis=1)
+    return _fp4_fold_e4m3(qp, qword, q_emax, tl.arange(0, 64)), w_fold, rfold
+
+
+@triton.jit
+def _fp4_queries_e4m3_kernel(q_ptr, qs_ptr, w_ptr, q8_ptr, wf_ptr, rf_ptr, S, stride_w, H: tl.constexpr):
+    """FP4 query rows -> for the CUDA kernel: e4m3 rows [S, H, 128] (folded values, element order), the weights
+    times the rows' scales fp32 [S, H], and int32 [S]: the query row folds (_fold_query_rows). Program i: row i."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H)
+    col = tl.arange(0, 64)
+    r_ok = h >= 0
+    qrow = i * H + h
+    qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :])
+    qword = tl.load(qs_ptr + qrow)
+    w = tl.load(w_ptr + i * stride_w + h).to(tl.float32)
+    q8, w_fold, rfold = _fold_query_rows(qp, qword, w, r_ok, 1, H)
+    d = tl.arange(0, 128)
+    tl.store(q8_ptr + qrow[:, None] * 128 + d[None, :], q8)
+    tl.store(wf_ptr + qrow, w_fold)
+    tl.store(rf_ptr + i + tl.arange(0, 1), rfold)
+
+
+@triton.jit
 def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV, BLOCK: tl.constexpr):
     """FP4 keys -> e4m3 rows [SKV, 128] (the folded values, element order) and fp32 scales [SKV] (the row's
     _fold_scale; -1 where the key does not fold); per tile of BLOCK keys (the logits kernel's) kt = 1 where all
@@ -238,6 +272,7 @@ def _mqa_logits_kernel(
     qe2 = tl.zeros((R,), tl.int32)
     qe3 = tl.zeros((R,), tl.int32)
     w_fold = w_col
+    rfold = row_ok.to(tl.int32)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
         if FP8_NATIVE:      # q_ptr and k_ptr are fp8 pointers: the tiles go to the dot without a conversion
@@ -253,17 +288,11 @@ def _mqa_logits_kernel(
             q_lo, q_hi = _fp4_dequant(qp, qword, col)
             qT0 = tl.trans(_operand(q_lo, DOT_F32))
             qT1 = tl.trans(_operand(q_hi, DOT_F32))
-        if FOLD_PASS != 0:
-            # qe1: the row folds into e4m3, its scale into the weights (w_fold: exact where the product stays a
-            # normal number); pass 1's operand: the folded rows (qT2, element order)
-            q_ok, q_emax = _fold_ok(qword)
-            q_emax = tl.where(q_ok, q_emax, 127)
-            w_fold = w_col * _fold_scale(q_emax)
-            aw = tl.abs(w_fold)
-            q_ok = q_ok & ((w_col == 0.0) | ((aw >= 1.1754943508222875e-38) & (aw < float("inf"))))
-            qe1 = tl.min((q_ok | ~r_ok).to(tl.int32), axis=0)    # every row of the program folds
+        if FOLD_PASS != 0:   # rfold: the query rows that fold; qe1: all of them; pass 1's operand qT2
+            q8, w_fold, rfold = _fold_query_rows(qp, qword, w_col, r_ok, BQ, H)
+            qe1 = tl.min(rfold, axis=0)
             if FOLD_PASS == 1:
-                qT2 = tl.trans(_fp4_fold_e4m3(qp, qword, q_emax, col))
+                qT2 = tl.trans(q8)
     else:
         c16 = tl.arange(0, 16)
         qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
@@ -290,7 +319,7 @@ def _mqa_logits_kernel(
         t_hi = tl.where((tl.load(kall_ptr) != 0) & (qe1 != 0), t_lo, t_hi)
     if STATIC_TILES == 0:
         for t in range(t_lo, t_hi):
-            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows, row_ok, lo, hi, base, k_ptr,
+            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base, k_ptr,
                          kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
                          IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
         if FILL and FOLD_PASS != 2:
@@ -303,7 +332,7 @@ def _mqa_logits_kernel(
         for it in range(STATIC_TILES):
             t = t_begin + it
             if (t >= t_lo) & (t < t_hi):
-                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows, row_ok, lo, hi, base,
+                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base,
                              k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
                              DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
             else:
@@ -341,7 +370,7 @@ def _exact_block(k_ptr, krow, j_ok, kword, qT, qe, b: tl.constexpr, BLOCK_KV: tl
 
 
 @triton.jit
-def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
+def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
                  k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
                  LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
                  DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
@@ -350,7 +379,6 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows,
     j = t * BLOCK_KV + tl.arange(0, BLOCK_KV)
     j_ok = j < SKV
     krow = j.to(tl.int64)
-    mine = j_ok      # the tile's keys this launch writes (all, except in the two FP4 fold passes)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
         k_scale = tl.load(kf_ptr + krow, mask=j_ok, other=0.0)
@@ -365,21 +393,22 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows,
         logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * k_scale[:, None]
     elif LAYOUT == 1:
         if FOLD_PASS != 0:
-            # keys folded into e4m3 by the pre-pass (kt: the tile's keys all fold) against the folded query rows
-            # (qe1: all of the program's rows fold): pass 1 takes the tiles where both fold (one fp8 dot, the key
-            # scale after the head sum, as FP8's), pass 2 the others (bf16 dots); each tile is written by one pass
-            fold = (tl.load(kt_ptr + t) != 0) & (qe1 != 0)
-            if FOLD_PASS == 1:   # computed without a branch (as FP8's tile), stored only where it folds
-                mine = j_ok & fold
+            # keys folded into e4m3 by the pre-pass (ksc: their scale, -1 where a key does not fold) and query rows
+            # that fold (rfold): pass 1 writes the logits of the keys and rows that both fold (one fp8 dot, the key
+            # scale after the head sum, as FP8's; computed for the whole tile without a branch), pass 2 all the
+            # others (bf16 dots; a tile whose keys (kt) and rows (qe1) all fold is skipped): each entry once
+            ksc = tl.load(ksc_ptr + krow, mask=j_ok, other=1.0)
+            both = (ksc > 0.0)[:, None] & (rfold != 0)[None, :]
+            if FOLD_PASS == 1:
+                own = both
                 d = tl.arange(0, 128)
                 k8 = tl.load(k8_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0.0)
                 acc = tl.dot(k8, qT2, max_num_imprecise_acc=IMPRECISE)
                 v = tl.where(acc < 0, 0.0, acc) * w_fold[None, :]
-                ksc = tl.load(ksc_ptr + krow, mask=j_ok, other=0.0)
                 logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * ksc[:, None]
             else:
-                mine = j_ok & ~fold
-                if fold:
+                own = ~both
+                if (tl.load(kt_ptr + t) != 0) & (qe1 != 0):
                     logit = tl.zeros((BLOCK_KV, BQ), tl.float32)
                 else:
                     logit = _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H, BQ, BLOCK_KV, DOT_F32)
@@ -395,18 +424,29 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rows,
         tv = tl.where(head < 0, 0.0, head) * w_col[None, :]                       # [BLOCK_KV, R]
         logit = tl.reshape(F.canonical_sum_row(tl.reshape(tv, (BLOCK_KV * BQ, H)), BLOCK_KV * BQ, H),
                            (BLOCK_KV, BQ))
-    valid = (j[:, None] >= lo[None, :]) & (j[:, None] < hi[None, :]) & row_ok[None, :] & mine[:, None]
+    valid = (j[:, None] >= lo[None, :]) & (j[:, None] < hi[None, :]) & row_ok[None, :]
     r64 = rows.to(tl.int64)[None, :] * stride_out
-    if COMPRESSED:
-        c = j[:, None] - base[None, :]
-        valid = valid & (c >= 0) & (c < W)
-        _store(out_ptr, r64 + c, logit, valid, OUT_KIND)
-    else:
-        if CLEAN:
-            _store(out_ptr, r64 + j[:, None], tl.where(valid, logit, float("-inf")),
-                   mine[:, None] & row_ok[None, :], OUT_KIND)
+    if FOLD_PASS == 0:
+        if COMPRESSED:
+            c = j[:, None] - base[None, :]
+            valid = valid & (c >= 0) & (c < W)
+            _store(out_ptr, r64 + c, logit, valid, OUT_KIND)
         else:
-            _store(out_ptr, r64 + j[:, None], logit, valid, OUT_KIND)
+            if CLEAN:
+                _store(out_ptr, r64 + j[:, None], tl.where(valid, logit, float("-inf")),
+                       j_ok[:, None] & row_ok[None, :], OUT_KIND)
+            else:
+                _store(out_ptr, r64 + j[:, None], logit, valid, OUT_KIND)
+    else:   # the entries this pass owns; -inf outside the ranges by the first pass
+        if COMPRESSED:
+            c = j[:, None] - base[None, :]
+            _store(out_ptr, r64 + c, logit, valid & own & (c >= 0) & (c < W), OUT_KIND)
+        else:
+            if CLEAN and FOLD_PASS == 1:
+                _store(out_ptr, r64 + j[:, None], tl.where(valid, logit, float("-inf")),
+                       j_ok[:, None] & row_ok[None, :] & (own | ~valid), OUT_KIND)
+            else:
+                _store(out_ptr, r64 + j[:, None], logit, valid & own, OUT_KIND)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -455,18 +495,19 @@ def default_config(S: int, SKV: int, H: int, layout_id: int, device: torch.devic
 
 def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
                compressed, *, fp8_dot=None, fp4_dot=None, block_q=None, block_kv=None, tiles_per_prog=None,
-               num_warps=None, num_stages=None, int_dot=None):
+               num_warps=None, num_stages=None, int_dot=None, folded_keys=None):
     """The Triton backend of dsaquant.mqa_logits (the reference's positional arguments; validated by the op).
     Keyword-only tuning knobs: fp8_dot (None: native where available), fp4_dot (FP4 fast mode: "fp8" rescales
     foldable tiles into e4m3 for the fp8 dot, "bf16" always dequantizes to bf16; None: "fp8" where the device
     has a native e4m3fn dot), block_q, block_kv, tiles_per_prog, num_warps, num_stages, int_dot (exact mode:
-    int8 dot; default on a GPU)."""
+    int8 dot; default on a GPU). folded_keys (FP4 folded, fold_keys' result): another kernel has written the
+    first pass's entries (the cuda backend); only the second pass runs, on these keys."""
     S, H = q.shape[0], q.shape[1]
     SKV, W = k.shape[0], out.shape[1]
     dev = q.device
     if S == 0 or W == 0:
         return out
-    if compressed and clean_logits:
+    if compressed and clean_logits and folded_keys is None:
         out.fill_(float("-inf"))
     if SKV == 0:
         if clean_logits and not compressed:
@@ -499,16 +540,16 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     num_tiles = _cdiv(SKV, bkv)
     k8, ksc, kt, kall = k, kf, kf, kf
     if fp4_fp8:   # the keys folded into e4m3 once (not once per row block), a flag per tile; kall: every key folds
-        k8 = torch.empty((SKV, 128), dtype=torch.float8_e4m3fn, device=dev)
-        ksc = torch.empty((SKV,), dtype=torch.float32, device=dev)
-        kt = torch.empty((num_tiles,), dtype=torch.int32, device=dev)
-        kall = torch.ones((1,), dtype=torch.int32, device=dev)
-        _fp4_keys_e4m3_kernel[(num_tiles,)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=bkv, num_warps=4)
+        if folded_keys is not None and folded_keys.block != bkv:
+            raise ValueError(f"folded_keys: tiles of {folded_keys.block} keys, this launch's are {bkv}")
+        k8, ksc, kt, kall = folded_keys or fold_keys(k, kf, bkv)
     grid = (_cdiv(S, bq), _cdiv(num_tiles, tpp))
     out_kind = 1 if out.dtype == torch.bfloat16 else 0
-    # FP4 folded: pass 1 (the fp8 kernel's shape) writes the tiles that fold and the fills, pass 2 the others
+    # FP4 folded: pass 1 (the fp8 kernel's shape) writes the entries that fold and the fills, pass 2 the others
     passes = ((1, cfg["num_warps"], cfg["num_stages"]), (2,) + FOLD_FALLBACK_LAUNCH) if fp4_fp8 else \
         ((0, cfg["num_warps"], cfg["num_stages"]),)
+    if folded_keys is not None:
+        passes = passes[1:]
     for fold_pass, warps, stages in passes:
         if num_warps is not None or num_stages is not None:
             warps, stages = cfg["num_warps"], cfg["num_stages"]
@@ -520,6 +561,49 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
             FOLD_PASS=fold_pass, num_warps=warps, num_stages=stages,
             enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
     return out
+
+
+class FoldedKeys(tuple):
+    """fold_keys' result: (k8 e4m3 [SKV, 128], ksc fp32 [SKV], kt int32 [tiles], kall int32 [1]) and `block`, the
+    keys per tile of kt."""
+    block: int
+
+    def __new__(cls, k8, ksc, kt, kall, block):
+        t = super().__new__(cls, (k8, ksc, kt, kall))
+        t.block = block
+        return t
+
+
+def fold_keys(k, kf, block: int) -> FoldedKeys:
+    """FP4 keys (uint8 [SKV, 64], exponent words int32 [SKV]) folded into e4m3 (_fp4_keys_e4m3_kernel), with the
+    flags of tiles of `block` keys."""
+    SKV, dev = k.shape[0], k.device
+    tiles = _cdiv(SKV, block)
+    k8 = torch.empty((SKV, 128), dtype=torch.float8_e4m3fn, device=dev)
+    ksc = torch.empty((SKV,), dtype=torch.float32, device=dev)
+    kt = torch.empty((tiles,), dtype=torch.int32, device=dev)
+    kall = torch.ones((1,), dtype=torch.int32, device=dev)
+    _fp4_keys_e4m3_kernel[(tiles,)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=block, num_warps=4)
+    return FoldedKeys(k8, ksc, kt, kall, block)
+
+
+def fold_queries(q, q_scale, weights):
+    """FP4 query rows (uint8 [S, H, 64], exponents as for mqa_logits, weights [S, H]) folded into e4m3 for the cuda
+    backend: (q8 e4m3 [S, H, 128], the weights times the rows' scales fp32 [S, H], int32 [S]: the row folds)."""
+    S, H = q.shape[0], q.shape[1]
+    dev = q.device
+    q8 = torch.empty((S, H, 128), dtype=torch.float8_e4m3fn, device=dev)
+    wf = torch.empty((S, H), dtype=torch.float32, device=dev)
+    rf = torch.empty((S,), dtype=torch.int32, device=dev)
+    if S:
+        qs = q_scale.contiguous().view(torch.int32).reshape(S * H)
+        _fp4_queries_e4m3_kernel[(S,)](q, qs, weights, q8, wf, rf, S, weights.stride(0), H=H, num_warps=4)
+    return q8, wf, rf
+
+
+def fold_block(S: int, SKV: int, H: int, device) -> int:
+    """Keys per tile of the folded FP4 launches on `device` (the second pass's tiles, fold_keys' block)."""
+    return default_config(S, SKV, H, FOLD_CONFIG, device)["block_kv"]
 
 
 TOPK_WORKSPACE_ELEMS = 1 << 26   # fp32 logits of one row chunk in mqa_topk: 256 MiB
@@ -673,14 +757,19 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     return triton.compile(src, target=target, options=opts)
 
 
-def aot_compile_fold(target):
-    """Compile the FP4 keys' e4m3 pre-pass for a GPUTarget without a GPU."""
+def aot_compile_fold(target, H: int = 64):
+    """Compile the FP4 pre-passes (keys, query rows) into e4m3 for a GPUTarget without a GPU. Returns both
+    CompiledKernels."""
     from triton.compiler import ASTSource
     sig = {"k_ptr": "*u8", "kf_ptr": "*i32", "k8_ptr": "*fp8e4nv", "ksc_ptr": "*fp32", "kt_ptr": "*i32",
            "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    src = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128}, attrs=attrs)
-    return triton.compile(src, target=target, options=dict(num_warps=4))
+    keys = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128}, attrs=attrs)
+    sig = {"q_ptr": "*u8", "qs_ptr": "*i32", "w_ptr": "*fp32", "q8_ptr": "*fp8e4nv", "wf_ptr": "*fp32", "rf_ptr": "*i32",
+           "S": "i32", "stride_w": "i32", "H": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    rows = ASTSource(fn=_fp4_queries_e4m3_kernel, signature=sig, constexprs={"H": H}, attrs=attrs)
+    return [triton.compile(src, target=target, options=dict(num_warps=4)) for src in (keys, rows)]
 
 
 def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
