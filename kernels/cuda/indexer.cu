@@ -30,7 +30,7 @@ constexpr int kModeFp4 = 1 + code(R);
 template <int MODE>
 constexpr Rounding mode_rounding = static_cast<Rounding>(MODE - 1);
 
-// Tuning (the values below were the fastest on the H200, dev/indexer_variants.sh); macros so that a
+// Tuning (the values below were the fastest on the H200, dev/cuda_variants.sh); macros so that a
 // variant can be built for a comparison (tools/build_native.py DSAQUANT_NVCC_EXTRA).
 #ifndef DSQ_INDEXER_HEADS_IN_FLIGHT_FP8   // q rows a group loads before processing them
 #if defined(__HIP__)

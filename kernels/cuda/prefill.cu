@@ -35,8 +35,8 @@ __device__ __forceinline__ float relu_nan(float x) {
   asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(r) : "f"(x));
   return r;
 }
-// acc = K . Q^T: four m64n128k32 e4m3 MMAs (K = 128) on the swizzled tiles, waited for.
-__device__ __forceinline__ void mma_tile(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
+// acc = K . Q^T: four m64n128k32 e4m3 MMAs (K = 128) on the swizzled tiles, one group.
+__device__ __forceinline__ void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const uint64_t dk = dsq_wgmma::desc_sw128(k_tile), dq = dsq_wgmma::desc_sw128(q_rows);
 #pragma unroll
@@ -45,13 +45,20 @@ __device__ __forceinline__ void mma_tile(float (&acc)[64], const uint8_t* k_tile
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) dsq_wgmma::MmaE4M3<128>::run(acc, dk + 2 * ks, dq + 2 * ks, ks > 0 ? 1 : 0);
   dsq_wgmma::commit();
-  dsq_wgmma::wait<0>();
-#pragma unroll
-  for (int r = 0; r < 64; ++r) dsq_wgmma::fence_reg(acc[r]);
 #else
   (void)acc;
   (void)k_tile;
   (void)q_rows;
+#endif
+}
+template <int N>
+__device__ __forceinline__ void mma_wait(float (&acc)[64]) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  dsq_wgmma::wait<N>();
+#pragma unroll
+  for (int r = 0; r < 64; ++r) dsq_wgmma::fence_reg(acc[r]);
+#else
+  (void)acc;
 #endif
 }
 
@@ -62,8 +69,8 @@ __device__ __forceinline__ void mma_tile(float (&acc)[64], const uint8_t* k_tile
 namespace dsqpf {
 namespace {
 
-#ifndef DSQ_PREFILL_MIN_BLOCKS   // resident blocks per SM asked of the register allocator
-#define DSQ_PREFILL_MIN_BLOCKS 3
+#ifndef DSQ_PREFILL_MIN_BLOCKS   // resident blocks per SM asked of the register allocator (pairs mode: 2)
+#define DSQ_PREFILL_MIN_BLOCKS (DSQ_PREFILL_PAIRS ? 2 : 3)
 #endif
 
 template <int H>

@@ -30,12 +30,15 @@
 //                                          cp_wait<N> returns when at most N of this thread's groups are pending
 //   void async_fence();                    this thread's shared-memory writes (copies and stores) made visible
 //                                          to the matrix unit (before the barrier that publishes them)
-//   void mma_tile(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows);
-//                                          acc = K . Q^T over K = 128 for a tile (64 rows) and the q rows (128 rows),
-//                                          both in the layout above at 1024-byte aligned addresses, all 128 threads
-//                                          together; returns when acc holds the result: thread t (warp w, lane l)
-//                                          holds row 16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at
-//                                          acc[4 c + 2 i + j]
+//   void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows);
+//                                          starts acc = K . Q^T over K = 128 for a tile (64 rows) and the q rows (128
+//                                          rows), both in the layout above at 1024-byte aligned addresses, all 128
+//                                          threads together, as one group; acc and the operands are the matrix
+//                                          unit's until the group is waited for. Thread t (warp w, lane l) holds row
+//                                          16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at acc[4 c + 2 i + j]
+//   template <int N> void mma_wait(float (&acc)[64]);
+//                                          returns when at most N started groups are running (acc, started before
+//                                          them, holds its result)
 //   float relu_nan(float x);               max(x, 0), NaN kept
 #pragma once
 
@@ -53,7 +56,14 @@ constexpr int kRows = 128;                // q rows (query, head) of a block: th
 #define DSQ_PREFILL_STAGES 4
 #endif
 constexpr int kStages = DSQ_PREFILL_STAGES;
-static_assert(kStages >= 2, "DSQ_PREFILL_STAGES: at least 2");
+#ifndef DSQ_PREFILL_PAIRS
+#define DSQ_PREFILL_PAIRS 0
+#endif
+constexpr bool kPairs = DSQ_PREFILL_PAIRS != 0;    // two accumulator sets: tiles in pairs (below; H >= 32: at H = 16
+                                                    // the 8 rows' sums would not fit the registers with them)
+constexpr int kAheadPairs = kStages / 2 - 1;         // pairs mode: pairs of tiles in flight ahead of the one computed
+static_assert(kStages >= 2 && (!kPairs || (kStages % 2 == 0 && kAheadPairs >= 1)),
+              "DSQ_PREFILL_STAGES: at least 2; pairs mode: an even number >= 4");
 
 // Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales.
 constexpr int kSmemQ = 0;
@@ -87,6 +97,7 @@ inline int64_t tiles_per_split(int64_t SKV, int64_t splits) {
 template <int H>
 PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, int64_t tpc, uint8_t* smem) {
   constexpr int NQ = kRows / H;
+  constexpr bool pairs = kPairs && H >= 32;
   const int tid = thread_id(), lane = tid & 31, warp = tid >> 5;
   const int64_t i0 = qb * NQ;
   const int SKV = static_cast<int>(a.SKV);
@@ -145,10 +156,22 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
       }
     }
   };
-  DSQ_UNROLL
-  for (int p = 0; p < kStages - 1; ++p) {
-    if (p < n) issue(t_lo + p, p);
-    cp_commit();   // one group per stage, empty or not: cp_wait counts groups
+  // Pair p: tiles 2p, 2p + 1 into stages 2p % kStages and the next, one copy group (pairs mode).
+  auto issue_pair = [&](int p) {
+    DSQ_UNROLL
+    for (int u = 0; u < 2; ++u)
+      if (2 * p + u < n) issue(t_lo + 2 * p + u, (2 * p + u) % kStages);
+    cp_commit();
+  };
+  if constexpr (!pairs) {
+    DSQ_UNROLL
+    for (int p = 0; p < kStages - 1; ++p) {
+      if (p < n) issue(t_lo + p, p);
+      cp_commit();   // one group per stage, empty or not: cp_wait counts groups
+    }
+  } else {
+    DSQ_UNROLL
+    for (int p = 0; p < kAheadPairs; ++p) issue_pair(p);
   }
 
   // ---- the q rows (zero for rows past S) and this thread's head weights ----------------------------------
@@ -180,18 +203,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   // ---- the tiles -----------------------------------------------------------------------------------------
   const float ninf = dsq::u2f(0xFF800000u);
   const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows (keys): m0 and m0 + 8
-  float acc[64];
-  for (int it = 0; it < n; ++it) {
-    cp_wait<kStages - 2>();   // tile it's copies (the oldest group) have landed
-    async_fence();
-    block_sync();             // every thread's copies and stores of tile it visible; tile it - 1 no longer read
-    if (it + kStages - 1 < n) issue(t_lo + it + kStages - 1, (it + kStages - 1) % kStages);
-    cp_commit();
-    const int s = it % kStages;
-    mma_tile(acc, sk + s * (kTile * 128), sq);
-
-    // epilogue: keys j0 = t*64 + m0 and j0 + 8
-    const int t = t_lo + it;
+  // Tile t's epilogue from its accumulators (stage s: its key scales): keys t*64 + m0 and t*64 + m0 + 8.
+  auto epilogue = [&](const float (&acc)[64], int t, int s) {
     float s0[NQ], s1[NQ];
     DSQ_UNROLL
     for (int qi = 0; qi < NQ; ++qi) s0[qi] = s1[qi] = 0.0f;
@@ -229,6 +242,42 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
           store_logit(a, i0 + qi, j, ninf);
         }
       }
+    }
+  };
+  if constexpr (!pairs) {
+    // One tile an iteration: its copies landed (the oldest group), a barrier (tile it - 1 is no longer read: its
+    // MMA was waited for), the refill of tile it - 1's stage, the MMA, the epilogue; other blocks on the SM
+    // overlap this one's epilogue with their MMAs.
+    float acc[64];
+    for (int it = 0; it < n; ++it) {
+      cp_wait<kStages - 2>();
+      async_fence();
+      block_sync();
+      if (it + kStages - 1 < n) issue(t_lo + it + kStages - 1, (it + kStages - 1) % kStages);
+      cp_commit();
+      const int s = it % kStages;
+      mma_start(acc, sk + s * (kTile * 128), sq);
+      mma_wait<0>(acc);
+      epilogue(acc, t_lo + it, s);
+    }
+  } else {
+    // Tiles in pairs (stages 2p % kStages and the next): both MMAs are started, then tile 2p's epilogue runs while
+    // tile 2p + 1's MMA does. No MMA is in flight across iterations.
+    float acc0[64], acc1[64];
+    for (int p = 0; 2 * p < n; ++p) {
+      cp_wait<kAheadPairs - 1>();
+      async_fence();
+      block_sync();
+      issue_pair(p + kAheadPairs);
+      // Both MMAs always run (the same instruction sequence every iteration, which keeps the compiler from
+      // serialising them); a pair's missing second tile computes on a stale stage and skips its epilogue.
+      const int s = (2 * p) % kStages;
+      mma_start(acc0, sk + s * (kTile * 128), sq);
+      mma_start(acc1, sk + (s + 1) * (kTile * 128), sq);
+      mma_wait<1>(acc0);
+      epilogue(acc0, t_lo + 2 * p, s);
+      mma_wait<0>(acc1);
+      if (2 * p + 1 < n) epilogue(acc1, t_lo + 2 * p + 1, s + 1);
     }
   }
   cp_wait<0>();   // no copy may land in the block's shared memory after it exits

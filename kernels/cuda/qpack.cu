@@ -13,7 +13,7 @@
 #include "indexer.h"
 #include "qrows.cuh"
 
-// Tuning: the indexer's FP4 values (the same loop at the same size; dev/indexer_variants.sh builds variants).
+// Tuning: the indexer's FP4 values (the same loop at the same size; dev/cuda_variants.sh builds variants).
 #ifndef DSQ_QPACK_STAGES   // shared-memory row slots per thread (CUDA; >= 2: the cp.async ring)
 #define DSQ_QPACK_STAGES 4
 #endif

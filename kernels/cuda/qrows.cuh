@@ -9,7 +9,7 @@
 // FP4 block of 32 is the a's or the b's of 4 lanes, an FP8 row is the group, and the canonical sum's
 // levels are: in-lane (partials i, i+16), lanes l ^ 4, l ^ 2, l ^ 1, in-lane (partials 2l, 2l+1).
 // Eight values per lane (not four) halve the per-row work (scales, shuffles, stores, addresses) per value:
-// faster on the H200 (dev/indexer_variants.sh builds and times such variants).
+// faster on the H200 (dev/cuda_variants.sh builds and times such variants).
 #pragma once
 
 #include <atomic>

@@ -4,7 +4,8 @@
 // blocks in a chosen order). The layer is modelled on the hardware, not on the body:
 //   * cp16 only records a copy; the copies land when cp_wait retires their group (all groups but the newest N of
 //     the thread), so a body that reads a stage before waiting for it reads stale bytes;
-//   * mma_tile computes each thread's accumulator fragment from the operands as the matrix unit addresses them:
+//   * an MMA (mma_start) runs when mma_wait retires it: it computes each thread's accumulator fragment from the
+//     operands as they are then, as the matrix unit addresses them:
 //     byte k of row r of a K-major tile with the 128-byte swizzle at address A (1024-aligned) is at
 //     x ^ (((x >> 7) & 7) << 4), x = A + (r / 8) * 1024 + (r % 8) * 128 + k; thread t (warp w, lane l) gets row
 //     16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j in acc[4 c + 2 i + j]; products of e4m3fn values summed in
@@ -82,7 +83,8 @@ inline uint8_t operand_byte(const uint8_t* tile, int r, int k) {
   if ((tile - smem_base) % 1024 != 0) report("emulated MMA: operand tile not 1024-aligned");
   return smem_base[x ^ (((x >> 7) & 7) << 4)];
 }
-inline void mma_tile(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
+// The thread's fragment of acc = K . Q^T, computed from the operands as they are now.
+inline void mma_compute(float* acc, const uint8_t* k_tile, const uint8_t* q_rows) {
   static const std::vector<float> value = [] {   // e4m3fn code -> value
     std::vector<float> v(256);
     for (int c = 0; c < 256; ++c) v[c] = dsq::fp8_decode(static_cast<uint8_t>(c), dsq::Fp8Flavour::e4m3fn);
@@ -94,10 +96,29 @@ inline void mma_tile(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_r
       for (int j = 0; j < 2; ++j) {
         const int row = 16 * w + l / 4 + 8 * i, col = 8 * c + 2 * (l % 4) + j;
         float s = 0.0f;
-        for (int k = 0; k < 128; ++k)
-          s += value[operand_byte(k_tile, row, k)] * value[operand_byte(q_rows, col, k)];
+        for (int k = 0; k < 128; ++k) s += value[operand_byte(k_tile, row, k)] * value[operand_byte(q_rows, col, k)];
         acc[4 * c + 2 * i + j] = s;
       }
+}
+// Started MMAs run when they are waited for (so a body that reads acc, or refills an operand, before the wait
+// shows); until then acc holds garbage.
+struct Mma {
+  float* acc;
+  const uint8_t* k_tile;
+  const uint8_t* q_rows;
+};
+std::vector<Mma> mmas[128];
+inline void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
+  for (float& x : acc) x = dsq::u2f(0x7FC0DEADu);
+  mmas[emu::thread_id()].push_back(Mma{acc, k_tile, q_rows});
+}
+template <int N>
+inline void mma_wait(float (&)[64]) {
+  std::vector<Mma>& m = mmas[emu::thread_id()];
+  while (static_cast<int>(m.size()) > N) {
+    mma_compute(m.front().acc, m.front().k_tile, m.front().q_rows);
+    m.erase(m.begin());
+  }
 }
 }  // namespace dsqpf
 
@@ -125,6 +146,11 @@ void run(const DsqMqaLogitsArgs& a) {
                    [&] { dsqpf::mqa_logits_block<H>(a, id % p.row_blocks, id / p.row_blocks, p.tpc, smem); });
     for (const Pending& q : pending)
       if (!q.groups.empty() || !q.open.empty()) report("emulated block exited with copies in flight");
+    for (std::vector<dsqpf::Mma>& m : dsqpf::mmas)
+      if (!m.empty()) {
+        report("emulated block exited with an MMA in flight");
+        m.clear();
+      }
     if (!fault.empty()) {
       const std::string f = fault;
       fault.clear();
