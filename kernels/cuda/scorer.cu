@@ -60,6 +60,12 @@ static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even numbe
 #endif
 template <int NT, bool FP4>
 constexpr int kMinCtas = NT > 64 ? 1 : FP4 ? DSQ_SCORER_MIN_CTAS_FP4 : DSQ_SCORER_MIN_CTAS_FP8;
+// The widest tile (query rows) that keeps two accumulator sets (the second tile's wgmma overlaps the first's
+// epilogue); wider tiles keep one set, which leaves room for more resident CTAs. 128 is a variant to time
+// (dev/cuda_variants.sh).
+#ifndef DSQ_SCORER_DUAL_MAX_ROWS
+#define DSQ_SCORER_DUAL_MAX_ROWS 64
+#endif
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
@@ -453,8 +459,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, FP4>) paged_logits_
 
   // Two accumulator sets: tile i + 1's wgmma runs while tile i's epilogue does. FP4 tiles feed wgmma
   // from registers (their A fragments, two sets as well: the instruction reads them until it completes).
-  // Wide tiles (NT = 128: 64 accumulator registers) keep one set: two would halve the resident CTAs.
-  constexpr bool kDual = kRegs <= 32;
+  // Wide tiles (NT = 128: 64 accumulator registers) keep one set by default: two would halve the resident CTAs
+  // (DSQ_SCORER_DUAL_MAX_ROWS).
+  constexpr bool kDual = NT <= DSQ_SCORER_DUAL_MAX_ROWS;
   float acc[2][kRegs];
   uint32_t frag[2][FP4 ? 4 : 1][4];
   float rscale[2][2];   // the row scales of rows m0 and m0 + 8 (fp32 scales, or the FP4 fold scales)
