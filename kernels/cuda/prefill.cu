@@ -11,6 +11,7 @@
 
 #include "device.h"
 #include "prefill.h"
+#include "ptx.cuh"
 #include "wgmma.cuh"
 
 namespace dsqpf {
@@ -19,22 +20,14 @@ namespace dsqpf {
 __device__ __forceinline__ int thread_id() { return static_cast<int>(threadIdx.x); }
 __device__ __forceinline__ void block_sync() { __syncthreads(); }
 __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xFFFFFFFFu, v, m, 32); }
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp16(void* dst, const void* src) { dsq_ptx::cp_async16(dst, src); }
+__device__ __forceinline__ void cp_commit() { dsq_ptx::cp_async_commit(); }
 template <int N>
 __device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+  dsq_ptx::cp_async_wait<N>();
 }
-__device__ __forceinline__ void async_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ float relu_nan(float x) {
-  float r;
-  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(r) : "f"(x));
-  return r;
-}
+__device__ __forceinline__ void async_fence() { dsq_ptx::fence_proxy_async(); }
+__device__ __forceinline__ float relu_nan(float x) { return dsq_ptx::relu_nan(x); }
 // acc = K . Q^T: four m64n128k32 e4m3 MMAs (K = 128) on the swizzled tiles, one group.
 __device__ __forceinline__ void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -295,18 +295,32 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   }
 }
 
-// The launch's shape: blocks of rows, key splits (splits <= 0: enough blocks for `slots` resident blocks, at
-// least 2 waves' worth of blocks where the rows allow it).
+// The launch's shape: blocks of rows and key splits for `slots` blocks resident at once. splits <= 0: at least
+// two waves' worth of blocks, and of up to 8 more split counts (each split at least 8 tiles) the one whose last
+// wave is fullest (blocks / (waves * slots), the smaller count on a tie).
 struct Plan {
   int64_t row_blocks, splits, tpc;
 };
+inline int64_t auto_splits(int64_t row_blocks, int64_t tiles, int64_t slots) {
+  const int64_t first = row_blocks >= 2 * slots ? 1 : (2 * slots + row_blocks - 1) / row_blocks;
+  int64_t best = first, best_num = 0, best_den = 1;   // the fullness of `best` as a fraction
+  for (int64_t s = first; s < first + 9 && (s == first || tiles >= 8 * s); ++s) {
+    const int64_t blocks = row_blocks * s, den = (blocks + slots - 1) / slots * slots;
+    if (blocks * best_den > best_num * den) {
+      best = s;
+      best_num = blocks;
+      best_den = den;
+    }
+  }
+  return best;
+}
 inline Plan plan(const DsqMqaLogitsArgs& a, int64_t slots) {
   Plan p;
   const int64_t nq = kRows / a.H;
   const int64_t tiles = (a.SKV + kTile - 1) / kTile;
   p.row_blocks = (a.S + nq - 1) / nq;
   int64_t splits = a.splits;
-  if (splits <= 0) splits = p.row_blocks >= 2 * slots ? 1 : (2 * slots + p.row_blocks - 1) / p.row_blocks;
+  if (splits <= 0) splits = auto_splits(p.row_blocks, tiles, slots > 0 ? slots : 1);
   splits = splits < 1 ? 1 : (splits > tiles ? (tiles > 0 ? tiles : 1) : splits);
   p.tpc = tiles_per_split(a.SKV, splits);
   p.splits = p.tpc > 0 ? (tiles + p.tpc - 1) / p.tpc : 1;

@@ -16,6 +16,9 @@
 
 #include "indexer.h"
 #include "row16.cuh"   // DType codes, scalar loads, rope_load, with_* dispatch; lanes.cuh (group_*)
+#if !defined(__HIP__)
+#include "ptx.cuh"
+#endif
 
 namespace dsqk {
 namespace {
@@ -43,20 +46,10 @@ __device__ __forceinline__ uint4 load8(const uint16_t* p, bool vec) {
 }
 
 #if !defined(__HIP__)
-// cp.async (sm_80+): 16 or 4 bytes from global into shared memory without passing through registers.
-// Committed groups complete in order; cp_async_wait<N> returns when at most N are still in flight.
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using dsq_ptx::cp_async16;   // ptx.cuh: asynchronous copies into shared memory
+using dsq_ptx::cp_async4;
+using dsq_ptx::cp_async_commit;
+using dsq_ptx::cp_async_wait;
 #endif
 
 // A row's raw 16-bit values for this lane: a = x[8l..8l+7], b = x[64+8l..64+8l+7].

@@ -36,6 +36,7 @@
 #include "dsaquant/codes.h"
 #include "dsaquant/layouts.h"
 #include "device.h"
+#include "ptx.cuh"
 #include "scorer.h"
 #include "wgmma.cuh"
 
@@ -96,18 +97,11 @@ __host__ __device__ inline SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
   return s;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// Generic-proxy shared-memory writes (cp.async, st.shared) made visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+using dsq_ptx::cp_async16;   // ptx.cuh
+using dsq_ptx::cp_async_commit;
+using dsq_ptx::cp_async_wait;
+using dsq_ptx::fence_proxy_async;
+using dsq_ptx::relu_nan;
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int dtype) {
   return dtype == dsq::kI64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
@@ -115,13 +109,6 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int dtyp
 __device__ __forceinline__ float load_float(const void* p, int64_t i, int dtype) {
   if (dtype == dsq::kBF16) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
   return static_cast<const float*>(p)[i];
-}
-
-// max(x, 0) that keeps NaN (relu as the reference computes it), one instruction.
-__device__ __forceinline__ float relu_nan(float x) {
-  float r;
-  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(r) : "f"(x));
-  return r;
 }
 
 // ---- FP4 -> e4m3 expansion ---------------------------------------------------------------------

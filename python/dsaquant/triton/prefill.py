@@ -611,10 +611,11 @@ TOPK_WORKSPACE_ELEMS = 1 << 26   # fp32 logits of one row chunk in mqa_topk: 256
 
 def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_flavour, exact, *, row_chunk=None,
              **knobs):
-    """The Triton backend of dsaquant.mqa_topk: rows in chunks of R whose fp32 logits [R, SKV] (this module's
-    mqa_logits, -inf outside each row's [lo, hi)) fill a workspace of at most TOPK_WORKSPACE_ELEMS elements (at
-    least one row), each chunk selected by dsaquant.topk_indices on the device's fastest backend for it (the
-    same positions as mqa_logits followed by topk_indices). Memory: the int32 [S, topk] result plus the
+    """The Triton backend of dsaquant.mqa_topk: rows in chunks of R whose fp32 logits [R, SKV] (mqa_logits on the
+    device's fastest backend for it, this module's with tuning knobs or off a GPU; -inf outside each row's
+    [lo, hi)) fill a workspace of at most TOPK_WORKSPACE_ELEMS elements (at least one row), each chunk selected
+    by dsaquant.topk_indices on the device's fastest backend for it (the same positions as mqa_logits followed by
+    topk_indices). Memory: the int32 [S, topk] result plus the
     workspace (and the selection's own scratch)."""
     from .. import dispatch
 
@@ -627,12 +628,15 @@ def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_fl
     zeros = torch.zeros(min(R, S), dtype=torch.int32, device=dev)
     out = torch.empty((S, topk), dtype=torch.int32, device=dev)
     select = dispatch.get(dispatch.choose_for("topk_indices", dev, None, min(R, S)), "topk_indices")
+    logits = mqa_logits      # on a GPU without tuning knobs: the logits of the device's fastest backend
+    if dev.type == "cuda" and not knobs:
+        logits = dispatch.get(dispatch.choose_for("mqa_logits", dev, None, min(R, S)), "mqa_logits")
     for r0 in range(0, S, R):
         r1 = min(S, r0 + R)
         n = r1 - r0
         qs = q_scale[r0:r1] if q_scale is not None else None
-        mqa_logits(q[r0:r1], qs, k, k_scale, weights[r0:r1], lo[r0:r1], hi[r0:r1], zeros[:n], ws[:n], layout,
-                   fp8_flavour, exact, True, False, **knobs)
+        logits(q[r0:r1], qs, k, k_scale, weights[r0:r1], lo[r0:r1], hi[r0:r1], zeros[:n], ws[:n], layout,
+               fp8_flavour, exact, True, False, **knobs)
         part = out[r0:r1]
         select(ws[:n], topk, None, 1, lo[r0:r1], hi[r0:r1], False, part)
         part.sub_(torch.where(part >= 0, base[r0:r1, None].to(torch.int32), 0))
