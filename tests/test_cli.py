@@ -37,8 +37,8 @@ def test_info():
     order = {ln.split(":")[0].strip(): ln.split(":", 1)[1].strip() for ln in lines
              if re.match(r"\s+\S.*: \w+ > \w+ > \w+$", ln)}
     if "automatic order on nvidia" in r.stdout:
-        assert order["index_k_norm_rope_pack_store"] == "triton > cuda > reference"
-        assert order["compress_kv [ratio=128, 64 <= T]"] == "triton > cuda > reference"
+        assert "index_k_norm_rope_pack_store" not in order                  # the default: cuda first
+        assert order["compress_kv [ratio=128]"] == "triton > cuda > reference"
         assert order["every other op, variant and size"] == "cuda > triton > reference"
     else:
         assert order == {"every other op, variant and size": "hip > triton > reference"}

@@ -20,35 +20,31 @@ def _clean_env(monkeypatch):
 
 
 # ---- the table ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("op", ["index_k_norm_rope_pack_store", "rmsnorm_rope_rotate_fp4quant_kvcache"])
-@pytest.mark.parametrize("size", [None, 1, 16, 64, 1024, 8192, 70000])
-def test_triton_first_writers_on_nvidia(op, size):
-    assert preference.order("nvidia", op, size) == TRITON_FIRST
-
-
 @pytest.mark.parametrize("op", ["indexer_qk_rope_quant_and_cache", "index_q_rope_pack_weights", "paged_mqa_logits",
-                                "topk_indices", "rope_fake_quant_fp4", "no_such_op"])
+                                "topk_indices", "rope_fake_quant_fp4", "index_k_norm_rope_pack_store",
+                                "rmsnorm_rope_rotate_fp4quant_kvcache", "mqa_logits", "no_such_op"])
 @pytest.mark.parametrize("size", [None, 1, 1024, 8192])
 def test_default_order_on_nvidia(op, size):
     assert preference.order("nvidia", op, size) == NV == ("cuda", "triton", "reference")
 
 
-@pytest.mark.parametrize("size", [None, 1, 2048, 70000])
-def test_prefill_logits_triton_first_on_nvidia(size):
-    assert preference.order("nvidia", "mqa_logits", size) == TRITON_FIRST
-
-
 def test_variants_on_nvidia():
     v = preference.variant
     assert v("compress_kv", ratio=128) == "ratio=128" and v("compress_kv", ratio=4) == "ratio=4"
+    assert v("compress_kv", ratio=4, decode=True) == "ratio=4 decode"
     assert v("rope_rotate_quant", out_format="fp4") == "fp4"
     assert v("paged_mqa_logits", ratio=4) is None and v("compress_kv") is None
     assert v("indexer_qk_rope_quant_and_cache", out_format="fp8") == "fp8"
     assert preference.order("nvidia", "compress_kv", 8192, v("compress_kv", ratio=128)) == TRITON_FIRST
     assert preference.order("nvidia", "compress_kv", 64, v("compress_kv", ratio=128)) == TRITON_FIRST
-    assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=128)) == NV
+    assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=128)) == TRITON_FIRST
+    assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=4)) == NV
+    assert preference.order("nvidia", "compress_kv", 64, v("compress_kv", ratio=4)) == TRITON_FIRST
+    assert preference.order("nvidia", "compress_kv", 1024, v("compress_kv", ratio=4)) == TRITON_FIRST
     assert preference.order("nvidia", "compress_kv", 8192, v("compress_kv", ratio=4)) == NV
+    assert preference.order("nvidia", "compress_kv", 16384, v("compress_kv", ratio=4)) == NV
     assert preference.order("nvidia", "compress_kv", 32768, v("compress_kv", ratio=4)) == TRITON_FIRST
+    assert preference.order("nvidia", "compress_kv", 64, v("compress_kv", ratio=4, decode=True)) == NV
     assert preference.order("nvidia", "compress_kv", 8192) == NV                 # no variant: the default
     assert preference.order("nvidia", "rope_rotate_quant", 8192, "fp4") == TRITON_FIRST
     assert preference.order("nvidia", "rope_rotate_quant", 64, "fp4") == NV
@@ -104,10 +100,10 @@ def test_every_rule_names_known_backends_and_measurements():
 
 def test_describe_lists_every_rule_and_the_default():
     lines = preference.describe("nvidia")
-    assert "compress_kv [ratio=128, 64 <= T]: triton > cuda > reference" in lines
+    assert "compress_kv [ratio=128]: triton > cuda > reference" in lines
+    assert "compress_kv [ratio=4, 64 <= T < 8192]: triton > cuda > reference" in lines
     assert "rope_rotate_quant [fp4, 1024 <= T]: triton > cuda > reference" in lines
     assert "indexer_qk_rope_quant_and_cache [fp8, 1024 <= T < 2048]: triton > cuda > reference" in lines
-    assert "index_k_norm_rope_pack_store: triton > cuda > reference" in lines
     assert lines[-1].endswith("cuda > triton > reference")
     assert preference.describe("amd") == [lines[-1].replace("cuda > triton", "hip > triton")]
 
@@ -134,8 +130,8 @@ def test_choose_follows_the_table_on_nvidia(monkeypatch):
     assert dispatch.vendor() == "nvidia"
     assert dispatch.choose("index_q_rope_pack_weights", GPU) == "cuda"
     assert dispatch.choose("index_q_rope_pack_weights", GPU, size=8192) == "cuda"
-    assert dispatch.choose("index_k_norm_rope_pack_store", GPU, size=16) == "triton"
-    assert dispatch.choose("rmsnorm_rope_rotate_fp4quant_kvcache", GPU, size=1) == "triton"
+    assert dispatch.choose("index_k_norm_rope_pack_store", GPU, size=16) == "cuda"
+    assert dispatch.choose("rmsnorm_rope_rotate_fp4quant_kvcache", GPU, size=1) == "cuda"
     assert dispatch.choose("indexer_qk_rope_quant_and_cache", GPU, size=1024) == "cuda"
     assert dispatch.choose("paged_mqa_logits", GPU, size=64) == "cuda"
     assert dispatch.choose("topk_indices", GPU, size=64) == "cuda"

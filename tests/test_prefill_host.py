@@ -31,13 +31,12 @@ SOURCES = [CPP / "prefill_host.cpp", REPO / "kernels" / "cuda" / "prefill_body.c
 UNTOUCHED = 12345.0
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["single", "pairs"])
-def lib(request):
-    """The emulator, built with each tile loop of the body (DSQ_PREFILL_PAIRS)."""
+@pytest.fixture(scope="module")
+def lib():
+    """The emulator of the kernel body."""
     if cxx() is None:
         pytest.skip("no C++ compiler")
-    so = build(SOURCES, "prefill_host", "the prefill emulator", (f"-DDSQ_PREFILL_PAIRS={request.param}",),
-               includes=(str(CPP),))
+    so = build(SOURCES, "prefill_host", "the prefill emulator", (), includes=(str(CPP),))
     h = ctypes.CDLL(str(so))
     h.dsq_error_string.restype = ctypes.c_char_p
     h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
@@ -111,6 +110,19 @@ def test_one_block_of_rows_many_splits(lib):
     a = make("fp8", S=2, H=64, SKV=700, seed=3)
     ks, ke = torch.tensor([100, -4]), torch.tensor([650, 300])
     got, ref = run(lib, a, ks, ke, slots=16)
+    compare(a, ks, ke, got, ref)
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_ranges_at_tile_edges(lib, clean):
+    """Ranges a few keys off the 64-key tile boundaries, shared by all rows of a block or not: the tiles every row
+    scores whole take the epilogue's fast path, the others the per-logit one; the boundary keys must follow the
+    range either way."""
+    S, SKV = 8, 400
+    a = make("fp8", S=S, H=32, SKV=SKV, seed=11)
+    ks = torch.tensor([60, 60, 60, 60, 127, 129, 64, 1])
+    ke = torch.tensor([316, 316, 316, 316, 193, 320, 321, 384])
+    got, ref = run(lib, a, ks, ke, clean=clean)
     compare(a, ks, ke, got, ref)
 
 
@@ -192,12 +204,11 @@ def test_struct_layout_matches_ctypes(tmp_path):
             assert int(got[f]) == getattr(prefill_abi.DsqMqaLogitsArgs, f).offset, f
 
 
-@pytest.mark.parametrize("pairs", [0, 1])
 @pytest.mark.parametrize("arch", ["90a", "100a"])
-def test_kernel_builds_without_spills(tmp_path, arch, pairs):
-    """prefill.cu compiles with the project's nvcc flags, in each tile loop (DSQ_PREFILL_PAIRS); the sm_90a kernels
-    (one per H) run the fp8 wgmma, which the compiler does not serialise (no injected warpgroup wait), and keep
-    everything in registers (no stack frame, no spills) within the blocks an SM they ask for (3; pairs: 2)."""
+def test_kernel_builds_without_spills(tmp_path, arch):
+    """prefill.cu compiles with the project's nvcc flags; the sm_90a kernels (one per H) run the fp8 wgmma, which
+    the compiler does not serialise (no injected warpgroup wait), and keep everything in registers (no stack
+    frame, no spills) within the 3 blocks an SM they ask for."""
     import re
     import sys
     sys.path.insert(0, str(REPO / "tools"))
@@ -207,7 +218,6 @@ def test_kernel_builds_without_spills(tmp_path, arch, pairs):
         pytest.skip("nvcc not found")
     flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
     out = tmp_path / "prefill.cubin"
-    flags.append(f"-DDSQ_PREFILL_PAIRS={pairs}")
     cmd = [nvcc, *flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-cubin",
            str(REPO / "kernels" / "cuda" / "prefill.cu"), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -217,13 +227,12 @@ def test_kernel_builds_without_spills(tmp_path, arch, pairs):
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
     assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), res.stderr
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
-    assert regs and max(regs) <= min(255, 65536 // ((2 if pairs else 3) * 128)), regs
+    assert regs and max(regs) <= 65536 // (3 * 128), regs
     if arch == "90a":
         ptx = subprocess.run([nvcc, *flags, "-arch=compute_90a", "-ptx", str(REPO / "kernels" / "cuda" / "prefill.cu"),
                               "-o", "-"], capture_output=True, text=True, check=True).stdout
-        # four k steps a tile; pairs mode: two tiles (H >= 32: three of the four kernels)
-        want = 3 * 8 + 4 if pairs else 4 * 4
-        assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == want
+        # four k steps a tile, in each of the four kernels
+        assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 16
 
 
 # ---- FP4 folded into e4m3: the Triton pre-passes, the emulated kernel, then Triton's second pass -------------

@@ -62,8 +62,8 @@ __device__ __forceinline__ void mma_wait(float (&acc)[64]) {
 namespace dsqpf {
 namespace {
 
-#ifndef DSQ_PREFILL_MIN_BLOCKS   // resident blocks per SM asked of the register allocator (pairs mode: 2)
-#define DSQ_PREFILL_MIN_BLOCKS (DSQ_PREFILL_PAIRS ? 2 : 3)
+#ifndef DSQ_PREFILL_MIN_BLOCKS   // resident blocks per SM asked of the register allocator
+#define DSQ_PREFILL_MIN_BLOCKS 3
 #endif
 
 template <int H>

@@ -42,6 +42,7 @@
 //   float relu_nan(float x);               max(x, 0), NaN kept
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "dsaquant/dsaquant.h"
@@ -56,14 +57,7 @@ constexpr int kRows = 128;                // q rows (query, head) of a block: th
 #define DSQ_PREFILL_STAGES 4
 #endif
 constexpr int kStages = DSQ_PREFILL_STAGES;
-#ifndef DSQ_PREFILL_PAIRS
-#define DSQ_PREFILL_PAIRS 0
-#endif
-constexpr bool kPairs = DSQ_PREFILL_PAIRS != 0;    // two accumulator sets: tiles in pairs (below; H >= 32: at H = 16
-                                                    // the 8 rows' sums would not fit the registers with them)
-constexpr int kAheadPairs = kStages / 2 - 1;         // pairs mode: pairs of tiles in flight ahead of the one computed
-static_assert(kStages >= 2 && (!kPairs || (kStages % 2 == 0 && kAheadPairs >= 1)),
-              "DSQ_PREFILL_STAGES: at least 2; pairs mode: an even number >= 4");
+static_assert(kStages >= 2, "DSQ_PREFILL_STAGES: at least 2");
 
 // Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales.
 constexpr int kSmemQ = 0;
@@ -97,22 +91,19 @@ inline int64_t tiles_per_split(int64_t SKV, int64_t splits) {
 template <int H>
 PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, int64_t tpc, uint8_t* smem) {
   constexpr int NQ = kRows / H;
-  constexpr bool pairs = kPairs && H >= 32;
   const int tid = thread_id(), lane = tid & 31, warp = tid >> 5;
   const int64_t i0 = qb * NQ;
   const int SKV = static_cast<int>(a.SKV);
 
   // ---- the rows' ranges and the union of the nonempty ones --------------------------------------------------
-  int lo[NQ], hi[NQ], base[NQ];
-  bool live[NQ], mine[NQ];   // mine: the row's logits are this launch's (fold mode: the row folds)
+  int lo[NQ], hi[NQ];
+  bool live[NQ];
   int lo_min = SKV, hi_max = 0;
   DSQ_UNROLL
   for (int qi = 0; qi < NQ; ++qi) {
     live[qi] = i0 + qi < a.S;
     lo[qi] = live[qi] ? a.lo[i0 + qi] : 0;
     hi[qi] = live[qi] ? a.hi[i0 + qi] : 0;
-    base[qi] = live[qi] && a.compressed ? a.base[i0 + qi] : 0;
-    mine[qi] = a.row_fold == nullptr || (live[qi] && a.row_fold[i0 + qi] != 0);
     if (lo[qi] < hi[qi]) {
       lo_min = lo[qi] < lo_min ? lo[qi] : lo_min;
       hi_max = hi[qi] > hi_max ? hi[qi] : hi_max;
@@ -132,17 +123,26 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   const uint8_t* const k = static_cast<const uint8_t*>(a.k);
 
   // ---- tile t (keys t*64 ..) into stage s: 4 chunks of 16 bytes a thread, 16 threads copy the scales -------
+  // Thread tid copies chunk tid % 8 of rows tid / 8 + 16 u (u < 4): in the swizzle, row r + 16 u sits 2048 u bytes
+  // past row r, so a whole tile is four copies at fixed offsets from two per-thread bases.
+  static_assert(kTile * 8 == 4 * kThreads, "four 16-byte chunks a thread per tile");
+  const int cp_dst = swizzled(tid >> 3, tid & 7);
+  const int64_t cp_src = static_cast<int64_t>(tid >> 3) * 128 + (tid & 7) * 16;
   auto issue = [&](int t, int s) {
-    uint8_t* const dst = sk + s * (kTile * 128);
-    DSQ_UNROLL
-    for (int u = 0; u < kTile * 8 / kThreads; ++u) {
-      const int q = tid + kThreads * u, m = q >> 3, c = q & 7;
-      const int j = t * kTile + m;
-      if (j < SKV) {
-        cp16(dst + swizzled(m, c), k + static_cast<int64_t>(j) * 128 + c * 16);
-      } else {
-        uint32_t* z = reinterpret_cast<uint32_t*>(dst + swizzled(m, c));
-        z[0] = z[1] = z[2] = z[3] = 0u;
+    uint8_t* const dst = sk + s * (kTile * 128) + cp_dst;
+    const uint8_t* const src = k + static_cast<int64_t>(t) * (kTile * 128) + cp_src;
+    if ((t + 1) * kTile <= SKV) {   // the usual tile: every key exists
+      DSQ_UNROLL
+      for (int u = 0; u < 4; ++u) cp16(dst + u * 2048, src + u * 2048);
+    } else {
+      DSQ_UNROLL
+      for (int u = 0; u < 4; ++u) {
+        if (t * kTile + (tid >> 3) + 16 * u < SKV) {
+          cp16(dst + u * 2048, src + u * 2048);
+        } else {
+          uint32_t* z = reinterpret_cast<uint32_t*>(dst + u * 2048);
+          z[0] = z[1] = z[2] = z[3] = 0u;
+        }
       }
     }
     if (tid < kTile / 4) {
@@ -156,22 +156,10 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
       }
     }
   };
-  // Pair p: tiles 2p, 2p + 1 into stages 2p % kStages and the next, one copy group (pairs mode).
-  auto issue_pair = [&](int p) {
-    DSQ_UNROLL
-    for (int u = 0; u < 2; ++u)
-      if (2 * p + u < n) issue(t_lo + 2 * p + u, (2 * p + u) % kStages);
-    cp_commit();
-  };
-  if constexpr (!pairs) {
-    DSQ_UNROLL
-    for (int p = 0; p < kStages - 1; ++p) {
-      if (p < n) issue(t_lo + p, p);
-      cp_commit();   // one group per stage, empty or not: cp_wait counts groups
-    }
-  } else {
-    DSQ_UNROLL
-    for (int p = 0; p < kAheadPairs; ++p) issue_pair(p);
+  DSQ_UNROLL
+  for (int p = 0; p < kStages - 1; ++p) {
+    if (p < n) issue(t_lo + p, p);
+    cp_commit();   // one group per stage, empty or not: cp_wait counts groups
   }
 
   // ---- the q rows (zero for rows past S) and this thread's head weights ----------------------------------
@@ -203,82 +191,107 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   // ---- the tiles -----------------------------------------------------------------------------------------
   const float ninf = dsq::u2f(0xFF800000u);
   const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows (keys): m0 and m0 + 8
+  // After the in-thread head sums a thread holds V = 2 NQ partial logits, (query qi, key m0 + 8 e) at 2 qi + e; the
+  // four lanes of a quad (the same keys) sum them by a reduce-scatter (exchange with lane ^ 2, then lane ^ 1), after
+  // which lane (b1, b0) holds the logits b1 V/2 + b0 V/4 + i, i < kSlots (V = 2: both lanes of a pair hold logit
+  // b1, the even one stores it). Each thread's stores, their rows and key offsets are fixed for the block.
+  constexpr int V = 2 * NQ;
+  constexpr int kSlots = V >= 4 ? V / 4 : 1;
+  const int b1 = (lane >> 1) & 1, b0 = lane & 1;
+  int slot_lo[kSlots], slot_hi[kSlots], slot_base[kSlots], slot_key[kSlots];
+  bool slot_live[kSlots], slot_mine[kSlots];
+  int64_t slot_row[kSlots];
+  int full_lo = 0, full_hi = SKV;   // the keys inside every live row's range
+  DSQ_UNROLL
+  for (int qi = 0; qi < NQ; ++qi)
+    if (live[qi]) {
+      full_lo = lo[qi] > full_lo ? lo[qi] : full_lo;
+      full_hi = hi[qi] < full_hi ? hi[qi] : full_hi;
+    }
+  DSQ_UNROLL
+  for (int i = 0; i < kSlots; ++i) {
+    const int c = V >= 4 ? b1 * (V / 2) + b0 * (V / 4) + i : b1;
+    const int qi = c >> 1;
+    slot_key[i] = m0 + 8 * (c & 1);
+    slot_row[i] = i0 + qi;
+    slot_live[i] = i0 + qi < a.S && (V >= 4 || b0 == 0);
+    slot_lo[i] = slot_live[i] ? a.lo[i0 + qi] : 0;
+    slot_hi[i] = slot_live[i] ? a.hi[i0 + qi] : 0;
+    slot_base[i] = slot_live[i] && a.compressed ? a.base[i0 + qi] : 0;
+    slot_mine[i] = slot_live[i] && (a.row_fold == nullptr || a.row_fold[i0 + qi] != 0);
+  }
   // Tile t's epilogue from its accumulators (stage s: its key scales): keys t*64 + m0 and t*64 + m0 + 8.
   auto epilogue = [&](const float (&acc)[64], int t, int s) {
-    float s0[NQ], s1[NQ];
+    float v[V];
     DSQ_UNROLL
-    for (int qi = 0; qi < NQ; ++qi) s0[qi] = s1[qi] = 0.0f;
+    for (int e = 0; e < V; ++e) v[e] = 0.0f;
     DSQ_UNROLL
     for (int c = 0; c < kRows / 8; ++c) {
       const int qi = c / (H / 8);
       DSQ_UNROLL
       for (int j = 0; j < 2; ++j) {
-        s0[qi] = s0[qi] + wr[2 * c + j] * relu_nan(acc[4 * c + j]);
-        s1[qi] = s1[qi] + wr[2 * c + j] * relu_nan(acc[4 * c + 2 + j]);
+        v[2 * qi] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), v[2 * qi]);
+        v[2 * qi + 1] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), v[2 * qi + 1]);
       }
     }
-    const float sc[2] = {ssc[s * kTile + m0], ssc[s * kTile + m0 + 8]};
+    constexpr int V1 = V / 2;
+    float h[V1];
     DSQ_UNROLL
-    for (int qi = 0; qi < NQ; ++qi) {
-      float v[2] = {s0[qi], s1[qi]};
+    for (int e = 0; e < V1; ++e) {
+      const float give = b1 ? v[e] : v[e + V1], keep = b1 ? v[e + V1] : v[e];
+      h[e] = keep + shfl_xor(give, 2);
+    }
+    float g[kSlots];
+    if constexpr (V1 >= 2) {
       DSQ_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        v[e] += shfl_xor(v[e], 1);
-        v[e] += shfl_xor(v[e], 2);
+      for (int e = 0; e < kSlots; ++e) {
+        const float give = b0 ? h[e] : h[e + kSlots], keep = b0 ? h[e + kSlots] : h[e];
+        g[e] = keep + shfl_xor(give, 1);
       }
-      if ((lane & 3) != (qi & 3) || !live[qi]) continue;   // the quad's lanes take turns at the stores
+    } else {
+      g[0] = h[0] + shfl_xor(h[0], 1);
+    }
+    const int t0 = t * kTile;
+    if (!a.compressed && t0 >= full_lo && t0 + kTile <= full_hi) {   // every key in every live row's range
       DSQ_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int j = t * kTile + m0 + 8 * e;
-        if (j >= SKV) continue;
-        const bool in = j >= lo[qi] && j < hi[qi];
-        const bool own = mine[qi] && (a.row_fold == nullptr || sc[e] > 0.0f);
-        if (a.compressed) {
-          const int64_t col = static_cast<int64_t>(j) - base[qi];
-          if (in && own && col >= 0 && col < a.W) store_logit(a, i0 + qi, col, v[e] * sc[e]);
-        } else if (in) {
-          if (own) store_logit(a, i0 + qi, j, v[e] * sc[e]);
-        } else if (a.clean) {
-          store_logit(a, i0 + qi, j, ninf);
-        }
+      for (int i = 0; i < kSlots; ++i) {
+        const float sc = ssc[s * kTile + slot_key[i]];
+        if (slot_mine[i] && (a.row_fold == nullptr || sc > 0.0f))
+          store_logit(a, slot_row[i], t0 + slot_key[i], g[i] * sc);
+      }
+      return;
+    }
+    DSQ_UNROLL
+    for (int i = 0; i < kSlots; ++i) {
+      const int j = t0 + slot_key[i];
+      if (j >= SKV || !slot_live[i]) continue;
+      const float sc = ssc[s * kTile + slot_key[i]];
+      const bool in = j >= slot_lo[i] && j < slot_hi[i];
+      const bool own = slot_mine[i] && (a.row_fold == nullptr || sc > 0.0f);
+      if (a.compressed) {
+        const int64_t col = static_cast<int64_t>(j) - slot_base[i];
+        if (in && own && col >= 0 && col < a.W) store_logit(a, slot_row[i], col, g[i] * sc);
+      } else if (in) {
+        if (own) store_logit(a, slot_row[i], j, g[i] * sc);
+      } else if (a.clean) {
+        store_logit(a, slot_row[i], j, ninf);
       }
     }
   };
-  if constexpr (!pairs) {
-    // One tile an iteration: its copies landed (the oldest group), a barrier (tile it - 1 is no longer read: its
-    // MMA was waited for), the refill of tile it - 1's stage, the MMA, the epilogue; other blocks on the SM
-    // overlap this one's epilogue with their MMAs.
-    float acc[64];
-    for (int it = 0; it < n; ++it) {
-      cp_wait<kStages - 2>();
-      async_fence();
-      block_sync();
-      if (it + kStages - 1 < n) issue(t_lo + it + kStages - 1, (it + kStages - 1) % kStages);
-      cp_commit();
-      const int s = it % kStages;
-      mma_start(acc, sk + s * (kTile * 128), sq);
-      mma_wait<0>(acc);
-      epilogue(acc, t_lo + it, s);
-    }
-  } else {
-    // Tiles in pairs (stages 2p % kStages and the next): both MMAs are started, then tile 2p's epilogue runs while
-    // tile 2p + 1's MMA does. No MMA is in flight across iterations.
-    float acc0[64], acc1[64];
-    for (int p = 0; 2 * p < n; ++p) {
-      cp_wait<kAheadPairs - 1>();
-      async_fence();
-      block_sync();
-      issue_pair(p + kAheadPairs);
-      // Both MMAs always run (the same instruction sequence every iteration, which keeps the compiler from
-      // serialising them); a pair's missing second tile computes on a stale stage and skips its epilogue.
-      const int s = (2 * p) % kStages;
-      mma_start(acc0, sk + s * (kTile * 128), sq);
-      mma_start(acc1, sk + (s + 1) * (kTile * 128), sq);
-      mma_wait<1>(acc0);
-      epilogue(acc0, t_lo + 2 * p, s);
-      mma_wait<0>(acc1);
-      if (2 * p + 1 < n) epilogue(acc1, t_lo + 2 * p + 1, s + 1);
-    }
+  // One tile an iteration: its copies landed (the oldest group), a barrier (tile it - 1 is no longer read: its
+  // MMA was waited for), the refill of tile it - 1's stage, the MMA, the epilogue; other blocks on the SM
+  // overlap this one's epilogue with their MMAs.
+  float acc[64];
+  for (int it = 0; it < n; ++it) {
+    cp_wait<kStages - 2>();
+    async_fence();
+    block_sync();
+    if (it + kStages - 1 < n) issue(t_lo + it + kStages - 1, (it + kStages - 1) % kStages);
+    cp_commit();
+    const int s = it % kStages;
+    mma_start(acc, sk + s * (kTile * 128), sq);
+    mma_wait<0>(acc);
+    epilogue(acc, t_lo + it, s);
   }
   cp_wait<0>();   // no copy may land in the block's shared memory after it exits
 

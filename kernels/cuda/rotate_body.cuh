@@ -377,36 +377,9 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
   const int lane = tid & (L - 1);
   const int64_t rows = a.T * a.H;
   const int64_t row0 = block_id() * G::kRows;
-  Row w{};
-  int64_t x_off = 0;
-  auto place = [&] {   // the thread's row and its first value's element offset
-    w.row = row0 + tid / L;
-    w.live = w.row < rows;
-    if (!w.live) w.row = rows - 1;    // a whole group: its shuffles stay with the warp's
-    w.t = w.row >> run.h_shift;
-    w.h = static_cast<int>(w.row & (a.H - 1));
-    x_off = w.t * a.x_st + w.h * a.x_sh + V * lane;
-  };
-  // 16-bit rows with vector loads: the row's words are loaded first, so that their latency overlaps the table's
-  // (its position and (cos, sin) loads) and every load of the row is in flight at once; the values are unpacked
-  // after the table. Not for the 16-bit output of the large instance, whose registers would not hold them: it
-  // places its row after the table.
-  constexpr bool kEarly = !(MODE == kHalf && V > 32);
-  if constexpr (kEarly) place();
-  const bool early = kEarly && a.in_dt != kF32 && run.x_vec;
-  uint32_t raw[V / 2];
-  if (early) {
-    const uint16_t* p = static_cast<const uint16_t*>(a.x) + x_off;
-    V4_UNROLL
-    for (int i = 0; i < V / 8; ++i) {
-      uint32_t u[4];
-      ld16(p + 8 * i, u);
-      V4_UNROLL
-      for (int k = 0; k < 4; ++k) raw[4 * i + k] = u[k];
-    }
-  }
   // SPEC §5 tail RoPE table: the block's tokens' (cos, sin) rows, the position clamped into [0, max_pos) and
-  // reported once per token (SPEC §7.5).
+  // reported once per token (SPEC §7.5). Filled before the rows are loaded: the rows' registers are then not
+  // held across the fill.
   const int64_t tok0 = row0 >> run.h_shift;
   if (run.table) {
     const int ntok = (G::kRows >> run.h_shift) > 0 ? (G::kRows >> run.h_shift) : 1;
@@ -422,18 +395,14 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
     }
     block_sync();
   }
-  if constexpr (!kEarly) place();
+  Row w;
+  w.row = row0 + tid / L;
+  w.live = w.row < rows;
+  if (!w.live) w.row = rows - 1;    // a whole group: its shuffles stay with the warp's
+  w.t = w.row >> run.h_shift;
+  w.h = static_cast<int>(w.row & (a.H - 1));
   float x[V];
-  if (early) {
-    const bool bf = a.in_dt == kBF16;
-    V4_UNROLL
-    for (int k = 0; k < V / 2; ++k) {
-      x[2 * k] = bf ? u2f(raw[k] << 16) : fp16_to_f32(static_cast<uint16_t>(raw[k]));
-      x[2 * k + 1] = bf ? u2f(raw[k] & 0xFFFF0000u) : fp16_to_f32(static_cast<uint16_t>(raw[k] >> 16));
-    }
-  } else {
-    load_values<V>(a, x_off, run.x_vec, x);
-  }
+  load_values<V>(a, w.t * a.x_st + w.h * a.x_sh + V * lane, run.x_vec, x);
 
   constexpr int kTail0 = V >= 64 ? V - 64 : 0;          // first tail value of a tail lane
   const bool tail_lane = V >= 64 ? lane == L - 1 : lane >= L - 64 / V;

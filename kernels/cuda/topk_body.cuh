@@ -14,8 +14,9 @@
 //
 // One block a row (`chunks` <= 1), row_block: a 4096-bin shared histogram of the top 12 bits of the row's keys
 // gives the threshold bin b (as in the few-long-rows path below); a second read puts the words of the keys above
-// b and in b into the sort buffer, which is sorted and written. When bin b holds more than the buffer takes (a row
-// of massive ties), the radix selection instead:
+// b and in b into the sort buffer, which sorts them and writes the first k: every key above b precedes every key in
+// b, so the two groups are sorted apart where their padded lengths add up to less than the whole's (write_row).
+// When bin b holds more than the buffer takes (a row of massive ties), the radix selection instead:
 //   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
 //     of the keys matching the digits fixed so far (4 copies, each shared by a quarter of the warps), then a scan
 //     over the 256 bins finds the digit where the count of larger keys reaches the number still wanted. The
@@ -35,9 +36,10 @@
 //      the count of keys in higher bins reaches k (none when the row has at most k candidates: all are taken),
 //      and appends the words of its keys above bin b to the row's "above" list (fewer than k) and those in bin b
 //      to its "bin" list, each tile's slots reserved with one atomic add;
-//   3. finish_block: one block per row sorts both lists together (their sum is at most kSortWords) and writes
-//      the first k, or, when bin b holds more than fits (a row of massive ties), runs the one-block selection on
-//      the row instead. The lists' order depends on the atomics, their contents and the sorted result do not.
+//   3. finish_block: one block per row sorts both lists (apart or together, as row_block; their sum is at most
+//      kSortWords) and writes the first k, or, when bin b holds more than fits (a row of massive ties), runs the
+//      one-block selection on the row instead. The lists' order depends on the atomics, their contents and the
+//      sorted result do not.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +74,7 @@ constexpr int kDigitsPerThread = kDigits / kThreads;
 constexpr int kScatterItems = 8;               // keys a thread holds per scatter tile
 constexpr int kScatterTile = kThreads * kScatterItems;
 static_assert(kSortWords >= DSQ_TOPK_MAX_SORT && kBinCap >= kSortWords, "sort buffer sizes");
-static_assert(kSortWords == kThreads * (DSQ_TOPK_AMD ? 16 : 8), "sort_and_write's register counts");
+static_assert(kSortWords == kThreads * (DSQ_TOPK_AMD ? 16 : 8), "sort_and_write_part's register counts");
 
 TOPK_FN uint32_t order_key_bits(uint32_t b) {
   const uint32_t mag = b & 0x7FFFFFFFu;
@@ -352,36 +354,36 @@ TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_
   return taken;
 }
 
-// Bitonic sort, descending, of sh.sort[0, kThreads * E): thread t holds elements t * E .. t * E + E - 1 in
+// Bitonic sort, descending, of buf[0, kThreads * E) (shared memory): thread t holds elements t * E .. t * E + E - 1 in
 // registers; compare-exchange partners closer than E are in the thread, closer than 32 E in its warp (shuffles),
 // farther ones meet in shared memory.
 template <int E>
-TOPK_FN void sort_desc(Shared& sh) {
+TOPK_FN void sort_desc(unsigned long long* buf) {
   constexpr int32_t n = kThreads * E;
   const int tid = thread_id();
   unsigned long long v[E];
   block_sync();
   DSQ_UNROLL
-  for (int e = 0; e < E; ++e) v[e] = sh.sort[tid * E + e];
+  for (int e = 0; e < E; ++e) v[e] = buf[tid * E + e];
   for (int32_t size = 2; size <= n; size <<= 1) {
     int32_t stride = size >> 1;
     if (stride >= 32 * E) {
       DSQ_UNROLL
-      for (int e = 0; e < E; ++e) sh.sort[tid * E + e] = v[e];
+      for (int e = 0; e < E; ++e) buf[tid * E + e] = v[e];
       for (; stride >= 32 * E; stride >>= 1) {
         block_sync();
         for (int32_t i = tid; i < n / 2; i += kThreads) {
           const int32_t lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
-          const unsigned long long x = sh.sort[lo], y = sh.sort[hi];
+          const unsigned long long x = buf[lo], y = buf[hi];
           if ((x < y) == ((lo & size) == 0)) {
-            sh.sort[lo] = y;
-            sh.sort[hi] = x;
+            buf[lo] = y;
+            buf[hi] = x;
           }
         }
       }
       block_sync();
       DSQ_UNROLL
-      for (int e = 0; e < E; ++e) v[e] = sh.sort[tid * E + e];
+      for (int e = 0; e < E; ++e) v[e] = buf[tid * E + e];
     }
     for (; stride >= E; stride >>= 1) {
       DSQ_UNROLL
@@ -408,37 +410,68 @@ TOPK_FN void sort_desc(Shared& sh) {
     }
   }
   DSQ_UNROLL
-  for (int e = 0; e < E; ++e) sh.sort[tid * E + e] = v[e];
+  for (int e = 0; e < E; ++e) buf[tid * E + e] = v[e];
   block_sync();
 }
 
-// Sorts sh.sort[0, count) descending (padded with 0 to kThreads times a power of two) and writes the row's k
-// outputs: the positions of the first min(k, count) words (minus `rel`), then -1.
-TOPK_FN void sort_and_write(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t count, Shared& sh) {
+// The sort length of `count` words: kThreads times a power of two.
+TOPK_FN int32_t sort_pad(int32_t count) {
+  int32_t n = kThreads;
+  while (n < count) n <<= 1;
+  return n;
+}
+
+// Sorts buf[0, count) descending (shared memory with room for sort_pad(count) words; padded with 0) and writes
+// the positions of the words (minus `rel`) to outputs first, first + 1, .. of the row, those below k.
+TOPK_FN void sort_and_write_part(const DsqTopkArgs& a, int64_t row, int32_t rel, unsigned long long* buf,
+                                 int32_t count, int32_t first) {
+  if (count == 0) return;
   const int tid = thread_id();
-  int32_t n_pad = kThreads;
-  while (n_pad < count) n_pad <<= 1;
-  for (int32_t j = count + tid; j < n_pad; j += kThreads) sh.sort[j] = 0ull;
+  const int32_t n_pad = sort_pad(count);
+  for (int32_t j = count + tid; j < n_pad; j += kThreads) buf[j] = 0ull;
   switch (n_pad / kThreads) {
-    case 1: sort_desc<1>(sh); break;
-    case 2: sort_desc<2>(sh); break;
-    case 4: sort_desc<4>(sh); break;
-    case 8: sort_desc<8>(sh); break;
+    case 1: sort_desc<1>(buf); break;
+    case 2: sort_desc<2>(buf); break;
+    case 4: sort_desc<4>(buf); break;
+    case 8: sort_desc<8>(buf); break;
 #if DSQ_TOPK_AMD
-    default: sort_desc<16>(sh); break;
+    default: sort_desc<16>(buf); break;
 #else
     default: break;   // count <= kSortWords = 8 * kThreads
 #endif
   }
   int32_t* const out = a.out + row * a.k;
-  for (int64_t j = tid; j < a.k; j += kThreads) {
-    int32_t v = -1;
-    if (j < n_pad) {
-      const unsigned long long w = sh.sort[j];
-      if (w >> 32) v = static_cast<int32_t>(~static_cast<uint32_t>(w)) - rel;
-    }
-    out[j] = v;
+  for (int32_t j = tid; j < count && first + j < a.k; j += kThreads)
+    out[first + j] = static_cast<int32_t>(~static_cast<uint32_t>(buf[j])) - rel;
+}
+
+// Outputs from, from + 1, .., k - 1 of the row: -1 (the row has fewer than k candidates).
+TOPK_FN void pad_row(const DsqTopkArgs& a, int64_t row, int64_t from) {
+  int32_t* const out = a.out + row * a.k;
+  for (int64_t j = from + thread_id(); j < a.k; j += kThreads) out[j] = -1;
+}
+
+// The row's k outputs from its candidates, `above` words at sh.sort[0, above) and `in_bin` at
+// sh.sort[bin_at, bin_at + in_bin): every word of the first group is larger than every word of the second (the
+// keys above the threshold bin and those in it), so with bin_at = sort_pad(above) the groups are sorted apart,
+// each padded only to its own length; with bin_at = above they are sorted together.
+TOPK_FN void write_row(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t above, int32_t bin_at, int32_t in_bin,
+                       Shared& sh) {
+  if (bin_at == above) {
+    sort_and_write_part(a, row, rel, sh.sort, above + in_bin, 0);
+  } else {
+    sort_and_write_part(a, row, rel, sh.sort, above, 0);
+    sort_and_write_part(a, row, rel, sh.sort + bin_at, in_bin, above);
   }
+  pad_row(a, row, static_cast<int64_t>(above) + in_bin);
+}
+
+// Where a row's bin group starts in sh.sort (write_row): apart when the two padded groups are shorter than the
+// padded whole (two sorts of the same total length measured slower than one). The caller has checked that
+// above + in_bin fits the buffer, so the padded groups then fit too.
+TOPK_FN int32_t bin_start(int32_t above, int32_t in_bin) {
+  return above > 0 && in_bin > 0 && sort_pad(above) + sort_pad(in_bin) < sort_pad(above + in_bin) ? sort_pad(above)
+                                                                                                  : above;
 }
 
 // One block a row: block `row`.
@@ -451,12 +484,12 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   count_digits<DT>(src, start, end, sh.digits);
   threshold_bin(sh.digits, a.k, sh.scan, sh.th);
   const Threshold th = sh.th;
-  int32_t taken;
   if (th.above + th.in_bin <= kSortWords) {
-    // the keys above the threshold bin into sh.sort[0, above), those in it after them, in any order
+    // the keys above the threshold bin into sh.sort[0, above), those in it from bin_at on, in any order
+    const int32_t bin_at = bin_start(th.above, th.in_bin);
     if (thread_id() == 0) {
       sh.fill[0] = 0;
-      sh.fill[1] = th.above;
+      sh.fill[1] = bin_at;
     }
     block_sync();
     DSQ_UNROLL_N(4)
@@ -465,11 +498,13 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
       const int64_t d = static_cast<int64_t>(key >> kDigitShift);
       if (key != 0u && d >= th.digit) sh.sort[shared_add(&sh.fill[d > th.digit ? 0 : 1], 1)] = word_of(key, p);
     }
-    taken = th.above + th.in_bin;
+    block_sync();
+    write_row(a, row, rel, th.above, bin_at, th.in_bin, sh);
   } else {
-    taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
+    const int32_t taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
+    block_sync();
+    write_row(a, row, rel, taken, taken, 0, sh);
   }
-  sort_and_write(a, row, rel, taken, sh);
 }
 
 // Block `bid` of the rows x chunks grid: row bid / chunks, its share [lo, hi) of the row's span.
@@ -554,19 +589,23 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   if (n_above + n_bin <= kSortWords) {
     const unsigned long long* const above_list = w.above + row * a.k;
     const unsigned long long* const bin_list = w.bins + row * kBinCap;
+    const int32_t bin_at = bin_start(n_above, n_bin);
     for (int j = thread_id(); j < n_above; j += kThreads) sh.sort[j] = above_list[j];
-    for (int j = thread_id(); j < n_bin; j += kThreads) sh.sort[n_above + j] = bin_list[j];
-    sort_and_write(a, row, rel, n_above + n_bin, sh);
+    for (int j = thread_id(); j < n_bin; j += kThreads) sh.sort[bin_at + j] = bin_list[j];
+    block_sync();
+    write_row(a, row, rel, n_above, bin_at, n_bin, sh);
   } else {
     const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
-    sort_and_write(a, row, rel, taken, sh);
+    block_sync();
+    write_row(a, row, rel, taken, taken, 0, sh);
   }
 }
 
 // ---- host side: the plan, the workspace size, the argument check and the order of the launches
 
 inline int32_t plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms) {
-  if (rows <= 0 || rows >= sms || k <= 0 || L < 8 * k) return 1;
+  // fewer than 3 blocks a row in a wave: one block a row is faster (one launch; measured on the H200)
+  if (rows <= 0 || sms / rows < 3 || k <= 0 || L < 8 * k) return 1;
   int64_t c = sms / rows;   // step 2 in one wave of a block an SM (step 1 runs twice the blocks, two an SM)
   if (c > L / 4096) c = L / 4096;                                     // at least 4096 keys a block
   if (c > kMaxChunks) c = kMaxChunks;

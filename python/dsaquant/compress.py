@@ -264,7 +264,7 @@ def compress_kv(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, s
     if T == 0 or B == 0:
         return
     name = dispatch.choose_for("compress_kv", dev, backend, T,
-                               preference.variant("compress_kv", ratio=ratio))
+                               preference.variant("compress_kv", ratio=ratio, decode=T == B))
     _compress_op(kv, score, ape, state_kv, state_score, state_slot, cu_seqlens, start_pos, norm_weight,
                  float(epsilon), cos_cache, sin_cache, out_slots, cache, cache_scale, ratio, overlap, quant_mode,
                  layout, scale_rule, rounding, kn["scale_fmt"], flavour, kn["preshuffle"], kn["hadamard"],

@@ -6,14 +6,13 @@ name a `variant` (a string the op's wrapper passes, see `variant`) and a range o
 max_size) of the op's token count T; the first matching rule of the op wins. An order lists the backends
 to try first; the default order's remaining backends follow it, so an order never loses a fallback.
 
-The NVIDIA rules come from the H200 measurements in benchmarks/results/h200.md ("Writers, 2026-12-02":
-CUDA-graph medians at T = 1, 64, 1024, 8192, 32768, H = 64). An op whose ranking was the same at every
-measured T has one order and no size range; a size range starts at the first measured T where the ranking
-turns; sizes and variants not measured keep the default order. Kept on the default order (cuda first):
-`index_q_rope_pack_weights` (cuda faster at every T but 1024, where triton is 3 % faster),
-`paged_mqa_logits` and `topk_indices` (cuda 2-3x faster than triton). `mqa_logits` puts triton first: its
-kernel is the measured one (benchmarks/results/h200.md, "Prefill"). On AMD the default order holds until
-measured.
+The NVIDIA rules come from the H200 measurements in benchmarks/results/h200.md ("Writers" and "Read side",
+2026-12-05: CUDA-graph medians at T = 1, 64, 1024, 8192, 32768, H = 64). An op whose ranking was the same at
+every measured T has one order and no size range; a size range starts at the first measured T where the
+ranking turns; sizes and variants not measured keep the default order. Kept on the default order (cuda first,
+measured faster at every T): `index_q_rope_pack_weights` (but 1024, where triton is 2 % faster), the k writers
+`index_k_norm_rope_pack_store` and `rmsnorm_rope_rotate_fp4quant_kvcache`, `compress_kv` decode steps (its own
+variant), `paged_mqa_logits`, `mqa_logits` and `topk_indices`. On AMD the default order holds until measured.
 """
 from __future__ import annotations
 
@@ -49,36 +48,33 @@ TRITON_FIRST = ("triton", "cuda", "reference")
 TABLE: dict[str, dict[str, tuple[Rule, ...]]] = {
     "nvidia": {
         "indexer_qk_rope_quant_and_cache": (Rule(TRITON_FIRST, variant="fp8", min_size=1024, max_size=2048,
-                                                 why="FP8, T=1024: cuda 12.38 vs triton 10.99 µs (T=64 2.90 vs "
-                                                 "3.14, T=8192 53.78 vs 58.68: cuda)"),),
-        "index_k_norm_rope_pack_store": (Rule(TRITON_FIRST, why="T=64 cuda 4.38 vs triton 4.23 µs, T=8192 8.92 "
-                                              "vs 6.68, T=32768 28.16 vs 18.16; T=1, 1024 within 2 %"),),
-        "rmsnorm_rope_rotate_fp4quant_kvcache": (Rule(TRITON_FIRST, why="T=64 cuda 3.54 vs triton 3.29 µs, "
-                                                      "T=8192 6.80 vs 6.32, T=32768 20.38 vs 16.73"),),
+                                                 why="FP8, T=1024: cuda 12.47 vs triton 10.97 µs (T=64 2.84 vs "
+                                                 "3.11, T=8192 53.39 vs 59.05: cuda)"),),
         "rope_rotate_quant": (Rule(TRITON_FIRST, variant="fp4", min_size=1024, why="FP4 out, H=64: T=1024 cuda "
-                                   "27.47 vs triton 15.50 µs, T=8192 151.56 vs 83.46 (T=1 3.08 vs 5.23, T=64 "
-                                   "3.69 vs 5.69: cuda)"),),
-        "compress_kv": (Rule(TRITON_FIRST, variant="ratio=128", min_size=64, why="prefill FP4, T=64: cuda 40.52 "
-                             "vs triton 5.64 µs, T=8192 78.34 vs 45.58 (T=1 2.57 vs 4.95: cuda)"),
-                        Rule(TRITON_FIRST, variant="ratio=4", min_size=16384, why="prefill FP4, T=32768: cuda "
-                             "145.76 vs triton 109.04 µs (T=8192 34.03 vs 40.43, decode B=64 8.91 vs 10.43: "
-                             "cuda)")),
-        "mqa_logits": (Rule(TRITON_FIRST, why="FP8, S=2048, SKV=8192, H=64: triton 545.8 µs (503.6 TFLOP/s); the "
-                            "cuda kernel (sm_90a wgmma) takes the lead once the bench measures it faster"),),
+                                   "27.30 vs triton 15.94 µs, T=8192 151.50 vs 84.26 (T=1 3.17 vs 5.06, T=64 "
+                                   "3.62 vs 5.79: cuda)"),),
+        "compress_kv": (Rule(TRITON_FIRST, variant="ratio=128", why="prefill FP4: T=1 cuda 11.93 vs triton 4.84 "
+                             "µs, T=64 26.52 vs 5.53, T=8192 59.78 vs 46.20, T=32768 144.29 vs 98.17"),
+                        Rule(TRITON_FIRST, variant="ratio=4", min_size=64, max_size=8192, why="prefill FP4: T=64 "
+                             "cuda 12.66 vs triton 10.25 µs, T=1024 13.10 vs 11.59 (T=1 3.03 vs 5.01, T=8192 "
+                             "28.08 vs 41.06: cuda)"),
+                        Rule(TRITON_FIRST, variant="ratio=4", min_size=32768, why="prefill FP4, T=32768: cuda "
+                             "125.97 vs triton 109.14 µs")),
     },
     "amd": {},
 }
 
 
-def variant(op: str, *, ratio: int | None = None, out_format: str | None = None) -> str | None:
-    """The variant string the table's rules of `op` match: compress_kv "ratio=<ratio>"; rope_rotate_quant
+def variant(op: str, *, ratio: int | None = None, out_format: str | None = None, decode: bool = False) -> str | None:
+    """The variant string the table's rules of `op` match: compress_kv "ratio=<ratio>", or "ratio=<ratio> decode"
+    for a decode step (`decode`: every sequence brings one token, T = B); rope_rotate_quant
     the output format, "fp4" (uint8 / float4_e2m1fn_x2 out), "fp8" or "half" (bf16/fp16 out); the indexer
     its quantization, "fp8" or "fp4" (out_format); None for the other ops. The op wrappers and the bench both
     build it here."""
     if op == "indexer_qk_rope_quant_and_cache" and out_format is not None:
         return out_format
     if op == "compress_kv" and ratio is not None:
-        return f"ratio={int(ratio)}"
+        return f"ratio={int(ratio)}" + (" decode" if decode else "")
     if op == "rope_rotate_quant" and out_format is not None:
         return out_format
     return None

@@ -52,7 +52,7 @@ def workspace_bytes(rows: int, L: int, k: int, chunks: int) -> int:
 
 def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
     """Mirror of dsq_topk_plan_chunks."""
-    if rows <= 0 or rows >= sms or k <= 0 or L < 8 * k:
+    if rows <= 0 or sms // rows < 3 or k <= 0 or L < 8 * k:
         return 1
     return max(2, min(sms // rows, L // 4096, MAX_CHUNKS))
 
