@@ -52,7 +52,7 @@ TABLE: dict[str, dict[str, tuple[Rule, ...]]] = {
                                                  "3.11, T=8192 53.39 vs 59.05: cuda)"),),
         "rope_rotate_quant": (Rule(TRITON_FIRST, variant="fp4", min_size=1024, why="FP4 out, H=64: T=1024 cuda "
                                    "27.30 vs triton 15.94 µs, T=8192 151.50 vs 84.26 (T=1 3.17 vs 5.06, T=64 "
-                                   "3.62 vs 5.79: cuda)"),),
+                                   "3.44 vs 5.79: cuda)"),),
         "compress_kv": (Rule(TRITON_FIRST, variant="ratio=128", why="prefill FP4: T=1 cuda 11.93 vs triton 4.84 "
                              "µs, T=64 26.52 vs 5.53, T=8192 59.78 vs 46.20, T=32768 144.29 vs 98.17"),
                         Rule(TRITON_FIRST, variant="ratio=4", min_size=64, max_size=8192, why="prefill FP4: T=64 "

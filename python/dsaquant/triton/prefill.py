@@ -615,8 +615,7 @@ def mqa_topk(q, q_scale, k, k_scale, weights, lo, hi, base, topk, layout, fp8_fl
     device's fastest backend for it, this module's with tuning knobs or off a GPU; -inf outside each row's
     [lo, hi)) fill a workspace of at most TOPK_WORKSPACE_ELEMS elements (at least one row), each chunk selected
     by dsaquant.topk_indices on the device's fastest backend for it (the same positions as mqa_logits followed by
-    topk_indices). Memory: the int32 [S, topk] result plus the
-    workspace (and the selection's own scratch)."""
+    topk_indices). Memory: the int32 [S, topk] result plus the workspace (and the selection's own scratch)."""
     from .. import dispatch
 
     S, SKV = q.shape[0], k.shape[0]
