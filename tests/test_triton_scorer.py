@@ -180,29 +180,6 @@ def make_case(layout, B=3, N=1, H=16, P=64, seed=0, ctxs=None, L=None, per_query
     return (qp, kv, w, ctx, tables, L, layout, qs, ks, ws, False, "e4m3fn", P)
 
 
-def magnitude(args):
-    """mag of the module docstring: the reference scorer on sign-cleared codes, |scales|, |w|."""
-    import torch
-    from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
-    from dsaquant.testing import run_scorer
-    q, kv, w, ctx, tables, L, layout, qs, ks, ws, pre, flavour, P = args
-    qa = q.view(torch.uint8)
-    if layout == "fp8_132":
-        qa = qa & 0x7F
-        kva = kv.clone()
-        kva[:, :P * 128] &= 0x7F
-        sc = kva[:, P * 128:].contiguous().view(torch.float32).abs()
-        kva[:, P * 128:] = sc.view(torch.uint8)
-    else:
-        qa = qa & 0x77
-        kva = kv.clone()
-        if layout == "packed68":
-            kva[:, :P * 64] &= 0x77
-        else:
-            kva &= 0x77
-    return run_scorer(ref_scorer, qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
-
-
 def check(args, tol, knobs):
     """(worst error / tolerance, note) of the Triton scorer against the reference on `args`."""
     import torch
@@ -221,7 +198,8 @@ def check(args, tol, knobs):
     fin = torch.isfinite(ref)
     if not bool(torch.isfinite(out[fin]).all()):
         return None, "+inf where the reference is finite"
-    mag = magnitude(args)
+    from dsaquant.testing import scorer_magnitude
+    mag = scorer_magnitude(args)
     err = (out[fin] - ref[fin]).abs()
     worst = float((err / (tol * mag[fin] + 1e-30)).max()) if err.numel() else 0.0
     return worst, (f"error {worst:.3g} x the tolerance (max abs err {float(err.max()):.3g})"

@@ -342,6 +342,27 @@ def run_scorer(fn, *args, clean_logits=True, logits_dtype=None, **knobs):
     return out
 
 
+def scorer_magnitude(args):
+    """|weight_scale| * sum_h |w_h| * sum_d |q_hd k_pd| per logit: the reference scorer on sign-cleared codes,
+    |scales| and |w|, for the reference's 13 leading positional arguments `args` (the scale of a scorer's
+    summation error)."""
+    from .reference.scorer import paged_mqa_logits as ref_scorer
+    q, kv, w, ctx, tables, L, layout, qs, ks, ws, pre, flavour, P = args
+    qa = q.view(torch.uint8)
+    kva = kv.view(torch.uint8).clone()
+    if layout == "fp8_132":
+        qa = qa & 0x7F
+        kva[:, :P * 128] &= 0x7F
+        kva[:, P * 128:] = kva[:, P * 128:].contiguous().view(torch.float32).abs().view(torch.uint8)
+    else:
+        qa = qa & 0x77
+        if layout == "packed68":
+            kva[:, :P * 64] &= 0x77
+        else:
+            kva &= 0x77
+    return run_scorer(ref_scorer, qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
+
+
 def triton_aot_missing(kind: str) -> str:
     """'' if this Triton can compile ahead of time for `kind` ("cuda" or "hip"), else why not (a skip reason)."""
     import triton

@@ -13,10 +13,9 @@ import torch
 
 from dsaquant import dispatch, errors, ops
 from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
-from dsaquant.testing import run_scorer
+from dsaquant.testing import run_scorer, scorer_magnitude
 from dsaquant.triton.scorer import make_scorer_inputs
 
-from . import test_triton_scorer_gpu as base
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -61,6 +60,8 @@ GRID = [  # layout, B, N, H, ctx, P, ctx_form, preshuffle, w_dtype
       for lay in LAYOUTS for h in (16, 32, 64, 128) for n in (1, 2, 3, 8) if h * n <= 1024],
     *[(lay, 2, 2, 64, 1000, p, "1d", False, torch.bfloat16) for lay in LAYOUTS for p in (32, 128)],
     ("fp8_132", 2, 1, 64, 900, 64, "1d", True, torch.float32),
+    ("fp8_132", 2, 2, 64, 1000, 100, "2d", False, torch.float32),   # tiles across pages of 100 and 96 slots
+    ("packed68", 2, 2, 64, 1000, 96, "2d", False, torch.float32),
     ("fp8_132", 2, 4, 32, 900, 32, "2d", True, torch.bfloat16),
 ]
 
@@ -72,7 +73,7 @@ def test_scorer_grid_matches_reference(backend):
         a = make(layout, B, N, H, ctx, P, seed=B * N + H, ctx_form=form, preshuffle=pre, w_dtype=wdt)
         args = ref_args(a, layout, P)
         ref = run_scorer(ref_scorer, *args)
-        mag = base.magnitude(args)
+        mag = scorer_magnitude(args)
         for dt in (torch.float32, torch.bfloat16):
             out = ops.paged_mqa_logits(layout=layout, backend=backend, logits_dtype=dt, **a)
             what = f"{backend} {layout} B={B} N={N} H={H} P={P} {form} pre={pre} w={wdt} out={dt}"
@@ -96,7 +97,7 @@ def test_scorer_clean_logits_false_leaves_the_rest(backend, layout):
     inside = torch.arange(1500, device="cuda")[None, :] < a["context_lens"].reshape(8, 1)
     assert bool((out[~inside] == 7.0).all()), "entries past the context were written"
     assert bool(torch.isfinite(out[inside]).all())
-    assert compare(torch.where(inside, out, ref), ref, base.magnitude(ref_args(a, layout, 64)), "clean=False") <= TOL
+    assert compare(torch.where(inside, out, ref), ref, scorer_magnitude(ref_args(a, layout, 64)), "clean=False") <= TOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -118,7 +119,7 @@ def test_scorer_hostile_tables(backend, layout):
     with pytest.raises(errors.DsaquantError):
         errors.check_errors()
     out = ops.paged_mqa_logits(layout=layout, backend=backend, **a)
-    e = compare(out, ref, base.magnitude(ref_args(a, layout, 64)), f"hostile {backend} {layout}")
+    e = compare(out, ref, scorer_magnitude(ref_args(a, layout, 64)), f"hostile {backend} {layout}")
     assert e <= TOL
     with pytest.raises(errors.DsaquantError, match="block table"):
         errors.check_errors()
@@ -143,7 +144,7 @@ def test_scorer_nan_inputs(backend, layout):
     ref = run_scorer(ref_scorer, *args)
     assert bool(torch.isnan(ref).any())
     out = ops.paged_mqa_logits(layout=layout, backend=backend, **a)
-    assert compare(out, ref, base.magnitude(args), f"NaN {backend} {layout}") <= TOL
+    assert compare(out, ref, scorer_magnitude(args), f"NaN {backend} {layout}") <= TOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,4 +183,4 @@ def test_scorer_graph_replay_with_new_context_lengths(backend, layout):
         g.replay()
         args = ref_args(a, layout, 64)
         ref = run_scorer(ref_scorer, *args)
-        assert compare(out, ref, base.magnitude(args), f"graph {backend} {layout} replay {seed}") <= TOL
+        assert compare(out, ref, scorer_magnitude(args), f"graph {backend} {layout} replay {seed}") <= TOL

@@ -33,24 +33,6 @@ def _scorer():
     return scorer
 
 
-def magnitude(args):
-    """|weight_scale| * sum_h |w_h| * sum_d |q_hd k_pd|: the reference scorer on sign-cleared inputs."""
-    q, kv, w, ctx, tables, L, layout, qs, ks, ws, pre, flavour, P = args
-    qa = q.view(torch.uint8)
-    kva = kv.view(torch.uint8).clone()
-    if layout == "fp8_132":
-        qa = qa & 0x7F
-        kva[:, :P * 128] &= 0x7F
-        kva[:, P * 128:] = kva[:, P * 128:].contiguous().view(torch.float32).abs().view(torch.uint8)
-    else:
-        qa = qa & 0x77
-        if layout == "packed68":
-            kva[:, :P * 64] &= 0x77
-        else:
-            kva &= 0x77
-    return run_scorer(ref_scorer, qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
-
-
 def _case(S, layout, H, N, seed, flavour="e4m3fn", preshuffle=False, int32_exps=False, B=8, L=4096):
     a = S.make_scorer_inputs(layout, B, N, H, L, 64, device=DEV, seed=seed, fp8_flavour=flavour,
                              preshuffle=preshuffle)
@@ -102,7 +84,7 @@ def test_relative_error_vs_reference(layout, variant, N, shape):
     fin = torch.isfinite(ref)
     assert bool(torch.isfinite(out[fin]).all())
     err = (out[fin] - ref[fin]).abs()
-    mag = magnitude(args)[fin]
+    mag = tt.scorer_magnitude(args)[fin]
     rel_max = float(err.max() / ref[fin].abs().max())
     ratio = float((err / (mag + 1e-30)).max())
     print(f"\n[scorer {layout} {VARIANTS[layout][variant]} {knobs} H={H} N={N}] native_fp8={bool(native)} "

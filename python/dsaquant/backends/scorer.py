@@ -66,6 +66,33 @@ def _aligned(*ts) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
 
+def make_args(q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout, q_scale, kv_cache_scale,
+              weight_scale, preshuffle, page_size, clean_logits, out, err_flag, device: int,
+              splits: int = 0) -> PagedLogitsArgs:
+    """The kernel's arguments for one call (the reference scorer's arguments, the int32 error flag tensor, the
+    device index and the context splits, 0: chosen from the SM count). Pointers are the tensors' data pointers."""
+    B, N, H = q.shape[:3]
+    a = PagedLogitsArgs()
+    w = weights if weights.dim() == 2 else weights.reshape(B * N, H)
+    ctx, bt = context_lens, block_tables
+    a.q, a.weights, a.context_lens, a.block_table = q.data_ptr(), w.data_ptr(), ctx.data_ptr(), bt.data_ptr()
+    a.q_scale = q_scale.data_ptr() if q_scale is not None else None
+    a.kv_cache = kv_cache.data_ptr()
+    a.kv_scale = kv_cache_scale.data_ptr() if kv_cache_scale is not None else None
+    a.logits, a.err_flag = out.data_ptr(), err_flag.data_ptr()
+    a.B, a.N, a.H, a.num_blocks, a.page_size = B, N, H, kv_cache.shape[0], page_size
+    a.max_blocks, a.max_seq_len, a.ld = bt.shape[1], max_seq_len, out.stride(0)
+    a.w_row, a.w_head = w.stride(0), w.stride(1)
+    a.ctx_b, a.ctx_n = ctx.stride(0), (ctx.stride(1) if ctx.dim() == 2 else 0)
+    a.bt_b, a.bt_k = bt.stride(0), bt.stride(1)
+    a.layout, a.preshuffle = code_of(Layout, layout), bool(preshuffle)
+    a.w_dtype, a.ctx_dtype, a.bt_dtype = DTYPE[w.dtype], DTYPE[ctx.dtype], DTYPE[bt.dtype]
+    a.out_dtype, a.clean_logits = DTYPE[out.dtype], bool(clean_logits)
+    a.device, a.splits, a.weight_scale = device, splits, weight_scale
+    a.keep = w   # a reshaped copy of the weights lives as long as the arguments
+    return a
+
+
 def make_paged_mqa_logits(lib, splits: int = 0):
     """The cuda backend's paged_mqa_logits over library `lib` (reference signature; writes `out`)."""
 
@@ -76,25 +103,11 @@ def make_paged_mqa_logits(lib, splits: int = 0):
         supported = (dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
                      and H in (16, 32, 64, 128) and weights.dtype in (torch.float32, torch.bfloat16) and (layout != "fp8_132" or fp8_flavour in (None, "e4m3fn"))
                      and _aligned(q, kv_cache) and out.stride(-1) == 1)
-        a = PagedLogitsArgs()
         if supported:
-            w = weights if weights.dim() == 2 else weights.reshape(B * N, H)
-            ctx, bt = context_lens, block_tables
-            a.q, a.weights, a.context_lens, a.block_table = q.data_ptr(), w.data_ptr(), ctx.data_ptr(), bt.data_ptr()
-            a.q_scale = q_scale.data_ptr() if q_scale is not None else None
-            a.kv_cache = kv_cache.data_ptr()
-            a.kv_scale = kv_cache_scale.data_ptr() if kv_cache_scale is not None else None
-            a.logits, a.err_flag = out.data_ptr(), errors.flag_tensor(dev).data_ptr()
-            a.B, a.N, a.H, a.num_blocks, a.page_size = B, N, H, kv_cache.shape[0], page_size
-            a.max_blocks, a.max_seq_len, a.ld = bt.shape[1], max_seq_len, out.stride(0)
-            a.w_row, a.w_head = w.stride(0), w.stride(1)
-            a.ctx_b, a.ctx_n = ctx.stride(0), (ctx.stride(1) if ctx.dim() == 2 else 0)
-            a.bt_b, a.bt_k = bt.stride(0), bt.stride(1)
-            a.layout, a.preshuffle = code_of(Layout, layout), bool(preshuffle)
-            a.w_dtype, a.ctx_dtype, a.bt_dtype = DTYPE[w.dtype], DTYPE[ctx.dtype], DTYPE[bt.dtype]
-            a.out_dtype, a.clean_logits = DTYPE[out.dtype], bool(clean_logits)
-            a.device = dev.index if dev.index is not None else torch.cuda.current_device()
-            a.splits, a.weight_scale = splits, weight_scale
+            a = make_args(q, kv_cache, weights, context_lens, block_tables, max_seq_len, layout, q_scale,
+                          kv_cache_scale, weight_scale, preshuffle, page_size, clean_logits, out,
+                          errors.flag_tensor(dev), dev.index if dev.index is not None else torch.cuda.current_device(),
+                          splits)
             err = lib.dsq_paged_mqa_logits(ctypes.byref(a), torch.cuda.current_stream(dev).cuda_stream)
             if err == 0:
                 return out

@@ -1,0 +1,729 @@
+// kernels/cuda/scorer_body.cuh: the block body of the paged MQA logits (SPEC §7.4) for the fp8_132, packed68 and
+// aiter_fp4 layouts (SPEC §6), written once against a layer that its includer defines, so that the same code runs
+// on the GPU (kernels/cuda/scorer.cu: cp.async, sm_90a wgmma) and under the host emulator of the tests
+// (tests/cpp/scorer_host.cpp), which holds it to the reference.
+//
+// logits[b*N + n, p] = weight_scale * sum_h w[b*N + n, h] * relu(q[b, n, h, :] . k[p, :])
+// for p < len(b, n), with q and k dequantized. One block = one warpgroup (128 threads) owns sequence b,
+// a group of NQ queries (the matrix product's N side is NT = NQ * H query rows) and a range of 64-position tiles
+// of the context (a split: small batches still fill every SM). Tiles go in pairs:
+//   * asynchronous copies bring a pair's keys into shared memory (kAhead pairs ahead of the one computed), fp8
+//     rows in the 128-byte swizzle that the matrix unit reads; positions past the context or whose page is out of
+//     range are zero-filled, never read;
+//   * both tiles' products (K = 128) are started into two accumulator sets (NT <= 64), and tile 2p's epilogue runs
+//     while tile 2p + 1's product does: relu (NaN kept) times the head weight, summed over the heads of each
+//     query (in the thread, then across the four lanes of a row), times the row scale and weight_scale, stored;
+//     -inf past the context;
+//   * FP4 layouts feed the product's A operand from registers: each thread expands the packed E2M1 codes of its
+//     own two rows to e4m3 (a byte-permute table lookup; every E2M1 value is exact in e4m3), with a row's four
+//     UE8M0 block exponents folded into the values relative to the row's largest (value * 2^(6 - (emax
+//     - e))): exact while a row's exponents span at most 14 binades (the usual case by far; beyond that
+//     the small blocks round to e4m3 subnormals), and the row keeps one power-of-two scale 2^(emax - 133),
+//     the role the fp32 scale plays in fp8_132. q rows get the same treatment once per block (in shared
+//     memory, their k order permuted as the register fragments take it); their scale goes into the weights.
+// The work split depends on the shapes, max_seq_len and the device only, so one captured CUDA graph serves any
+// context lengths.
+//
+// The includer defines, in namespace dsqsc, before including this file:
+//   SC_FN                                   function qualifiers (__device__ __forceinline__, or inline)
+//   int thread_id(); void block_sync();     thread index in the block, the block barrier
+//   float shfl_xor(float v, int m);         32-lane butterfly exchange
+//   bool any_sync(bool p);                  whether p holds on any lane of the warp
+//   void flag_or(int32_t* p, int v);        atomic or into global memory (the error flag)
+//   void cp16(void* smem, const void* g); void cp_commit(); template <int N> void cp_wait();
+//                                           asynchronous 16-byte copies into shared memory, committed in groups;
+//                                           cp_wait<N> returns when at most N of this thread's groups are pending
+//   void async_fence();                     this thread's shared-memory writes made visible to the matrix unit
+//   float relu_nan(float x);                max(x, 0), NaN kept
+//   uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s);
+//                                           byte i of the result: byte (s >> 4i) & 7 of the eight bytes of (y:x)
+//   template <int NT> void mma_ss(float (&acc)[NT / 2], const uint8_t* k_tile, const uint8_t* q_rows);
+//   template <int NT> void mma_rs(float (&acc)[NT / 2], const uint32_t (&a)[4][4], const uint8_t* q_rows);
+//                                           start acc = K . Q^T over K = 128 (four 32-wide steps) for a tile of 64
+//                                           key rows and NT q rows, all 128 threads together, as one group. Both
+//                                           operands K-major, 128-byte rows with the 128-byte swizzle (16-byte chunk
+//                                           c of row r at chunk c ^ (r % 8)) at 1024-aligned addresses; mma_rs takes
+//                                           K from registers instead: a[s][i] holds k = 32 s + 16 (i / 2) + 4 (l % 4)
+//                                           + 0..3 of row 16 w + l / 4 + 8 (i % 2) (warp w, lane l). Thread t holds
+//                                           row 16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at acc[4 c + 2 i + j].
+//                                           acc and the operands are the matrix unit's until the group is waited for
+//   template <int N> void mma_wait();       returns when at most N started groups are running
+//   template <int NT> void mma_done(float (&acc)[NT / 2]);   after the wait that retired acc's group: acc is read
+//   void frag_done(uint32_t (&a)[4][4]);    after the wait that retired the group that read a: a may change
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "dsaquant/arith.h"
+#include "dsaquant/codes.h"
+#include "dsaquant/fp8.h"
+#include "dsaquant/layouts.h"
+#include "scorer.h"
+
+namespace dsqsc {
+
+constexpr int kThreads = 128;
+constexpr int kTile = 64;          // KV positions per tile: the product's M side
+#ifndef DSQ_SCORER_STAGES
+#define DSQ_SCORER_STAGES 4
+#endif
+constexpr int kStages = DSQ_SCORER_STAGES;   // tile stages in shared memory: pairs of tiles, kAhead + 1 pairs
+constexpr int kAhead = kStages / 2 - 1;      // pairs in flight ahead of the one computed
+static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even number >= 4");
+// The widest tile (query rows) that keeps two accumulator sets (the second tile's product overlaps the first's
+// epilogue); wider tiles keep one set, which leaves room for more resident blocks. 128 is a variant to time
+// (dev/cuda_variants.sh).
+#ifndef DSQ_SCORER_DUAL_MAX_ROWS
+#define DSQ_SCORER_DUAL_MAX_ROWS 64
+#endif
+constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
+static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
+                  DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
+              "scorer.h layout codes are dsaquant/codes.h's");
+constexpr int kFoldShift = 6;      // E2M1 values are scaled by up to 2^6 (6 * 64 = 384 <= 448)
+constexpr int kLutEntries = 33;    // exponent distances 0..31 (31: every value rounds to zero), 32: a zero scale
+
+// Shared memory of one block, in bytes from a 1024-aligned base.
+struct SmemPlan {
+  int q, k, raw, scales, lut, w, pages, bad, total;
+};
+DSQ_HD SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
+  SmemPlan s{};
+  s.q = 0;
+  s.k = nt * 128;                                      // a multiple of 1024 (nt >= 16)
+  if (fp4) {
+    s.raw = s.k;                                       // kStages x 64 x 64 payload bytes
+    s.scales = s.raw + kStages * kTile * 64;           // kStages x 512 exponent bytes
+    s.lut = s.scales + kStages * 512;                  // kLutEntries e4m3 magnitude tables (8 bytes each)
+    s.w = s.lut + kLutEntries * 8;
+  } else {
+    s.raw = s.lut = 0;
+    s.scales = s.k + kStages * kTile * 128;            // kStages x 64 fp32 scales
+    s.w = s.scales + kStages * kTile * 4;
+  }
+  s.pages = s.w + nt * 4;
+  s.bad = s.pages + n_pages * 4;                       // one int: some page of the read range is out of range
+  s.total = s.bad + 4;
+  return s;
+}
+
+SC_FN int imin(int x, int y) { return x < y ? x : y; }
+SC_FN int imax(int x, int y) { return x > y ? x : y; }
+
+// 16 and 8 bytes, aligned as such: one vector load or store each.
+struct alignas(16) U32x4 {
+  uint32_t x, y, z, w;
+};
+struct alignas(8) U32x2 {
+  uint32_t x, y;
+};
+
+SC_FN int64_t load_index(const void* p, int64_t i, int dtype) {
+  return dtype == dsq::kI64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+SC_FN float load_float(const void* p, int64_t i, int dtype) {
+  if (dtype == dsq::kBF16) return dsq::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+SC_FN U32x4 load16(const void* p) { return *static_cast<const U32x4*>(p); }
+SC_FN void zero16(void* p) { *static_cast<U32x4*>(p) = U32x4{0u, 0u, 0u, 0u}; }
+
+// ---- FP4 -> e4m3 expansion ---------------------------------------------------------------------
+// The e4m3 codes of the eight E2M1 magnitudes times 2^t (t <= 6), as a byte-permute table (lo: m = 0..3).
+// A zero-exponent block (scale 0) gets the all-zero table.
+SC_FN void e2m1_table(int e, int emax, uint32_t& lo, uint32_t& hi) {
+  const int t = imax(kFoldShift - (emax - e), -40);
+  const float s = e == 0 ? 0.f : dsq::u2f(static_cast<uint32_t>(t + 127) << 23);
+  constexpr dsq::Fp8Flavour fn = dsq::Fp8Flavour::e4m3fn;
+  lo = dsq::fp8_encode2(0.f, 0.5f * s, fn) | (static_cast<uint32_t>(dsq::fp8_encode2(s, 1.5f * s, fn)) << 16);
+  hi = dsq::fp8_encode2(2.f * s, 3.f * s, fn) | (static_cast<uint32_t>(dsq::fp8_encode2(4.f * s, 6.f * s, fn)) << 16);
+}
+// Eight packed E2M1 codes (SPEC §1: element 2i in the low nibble of byte i) -> eight e4m3 bytes:
+// x = elements 0..3, y = elements 4..7. The magnitudes come from the table (byte_perm on the low three bits of
+// each nibble); each nibble's sign bit (bit 3) is moved to bit 7 of its byte by one more byte_perm that picks
+// the byte of w << 4 (even nibbles) or of w (odd nibbles).
+SC_FN U32x2 expand8(uint32_t w, uint32_t lo, uint32_t hi) {
+  const uint32_t u = w << 4;
+  U32x2 r;
+  r.x = byte_perm(lo, hi, w & 0x7777u) | (byte_perm(u, w, 0x5140u) & 0x80808080u);
+  r.y = byte_perm(lo, hi, (w >> 16) & 0x7777u) | (byte_perm(u, w, 0x7362u) & 0x80808080u);
+  return r;
+}
+// The magnitude table of exponent distance d = emax - e (fp4 rows fold their block exponents relative
+// to the row's largest): the eight E2M1 magnitudes times 2^(6 - d), i.e. e2m1_table of a block d binades
+// below its row's largest; d = 32 is a zero-scale block.
+SC_FN void fp4_table(int d, uint32_t& lo, uint32_t& hi) {
+  if (d >= 32) {
+    lo = hi = 0;
+  } else {
+    e2m1_table(1, 1 + d, lo, hi);
+  }
+}
+// The table entry of a block with exponent e in a row whose largest exponent is emax.
+SC_FN int lut_index(int e, int emax) { return e == 0 ? 32 : imin(emax - e, 31); }
+// Byte offset of block j of row m in a stage of packed E2M1 rows: 16-byte chunks swizzled by row pair so
+// that the eight rows a warp reads at once fall in distinct banks.
+SC_FN int raw_chunk(int m, int j) { return m * 64 + ((j ^ ((m >> 1) & 3)) << 4); }
+// The scale a row keeps after folding: 2^(emax - 127 - kFoldShift) from bits; 0 for an all-zero-scale
+// row, NaN when a block has the NaN scale 255 (SPEC §3).
+SC_FN float fold_scale(int emax) {
+  if (emax == 255) return dsq::u2f(0x7FC00000u);
+  if (emax == 0) return 0.f;
+  const int e = emax - kFoldShift;
+  return e >= 1 ? dsq::u2f(static_cast<uint32_t>(e) << 23) : dsq::u2f(1u << (e + 22));
+}
+SC_FN int max4(uint32_t e) {
+  return imax(imax(static_cast<int>(e & 255), static_cast<int>((e >> 8) & 255)),
+              imax(static_cast<int>((e >> 16) & 255), static_cast<int>(e >> 24)));
+}
+// 16 bytes into chunk c of swizzled 128-byte row `row` of shared memory.
+SC_FN void store_chunk(uint8_t* tile, int row, int c, U32x4 v) {
+  *reinterpret_cast<U32x4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v;
+}
+// One q row: four packed E2M1 blocks (64 bytes) with exponents e (block j in byte j) -> a swizzled e4m3
+// row, each block's 32 values in the order the k side's register fragments use (mma_rs): the first
+// 16 bytes hold elements 8t + 0..3, the next 16 elements 8t + 4..7, t = 0..3. Returns the row's scale.
+SC_FN float expand_q_row(const U32x4 (&raw)[4], uint32_t e, uint8_t* tile, int row) {
+  const int emax = max4(e);
+  DSQ_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    uint32_t lo, hi;
+    e2m1_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
+    const U32x2 p0 = expand8(raw[j].x, lo, hi), p1 = expand8(raw[j].y, lo, hi), p2 = expand8(raw[j].z, lo, hi),
+                p3 = expand8(raw[j].w, lo, hi);
+    store_chunk(tile, row, 2 * j, U32x4{p0.x, p1.x, p2.x, p3.x});
+    store_chunk(tile, row, 2 * j + 1, U32x4{p0.y, p1.y, p2.y, p3.y});
+  }
+  return fold_scale(emax);
+}
+
+struct Geometry {
+  int P, p_shift;  // page size; log2(P) when P is a power of two, else -1
+  // p >= 0, P > 0: unsigned division where P is not a power of two
+  SC_FN int page_of(int p) const {
+    return p_shift >= 0 ? p >> p_shift : static_cast<int>(static_cast<unsigned>(p) / static_cast<unsigned>(P));
+  }
+  SC_FN int in_page(int p) const {
+    return p_shift >= 0 ? p & (P - 1) : static_cast<int>(static_cast<unsigned>(p) % static_cast<unsigned>(P));
+  }
+};
+
+// Block (split, group, b): sequence b, queries group * NQ .., tiles [split * tiles_per_block, ..) of the context.
+// smem: smem_plan(H * NQ, FP4, n_pages).total bytes, 1024-aligned; n_pages covers the block-table entries of the
+// split's tiles.
+template <int H, int NQ, bool FP4>
+SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group, int64_t b, int tiles_per_block,
+                              int n_pages, int p_shift, uint8_t* smem) {
+  constexpr int NT = H * NQ;
+  constexpr int kRegs = NT / 2;   // accumulators a thread holds
+  const SmemPlan plan = smem_plan(NT, FP4, n_pages);
+  uint8_t* sq = smem + plan.q;
+  float* sw = reinterpret_cast<float*>(smem + plan.w);
+  int* spages = reinterpret_cast<int*>(smem + plan.pages);
+  int* sbad = reinterpret_cast<int*>(smem + plan.bad);
+
+  const int tid = thread_id(), lane = tid & 31, warp = tid >> 5;
+  const Geometry geo{static_cast<int>(a.page_size), p_shift};
+  const int P = geo.P;
+  const int max_seq = static_cast<int>(a.max_seq_len);
+
+  const int n_tiles_all = (max_seq + kTile - 1) / kTile;
+  const int t0 = split * tiles_per_block;
+  const int t1 = imin(t0 + tiles_per_block, n_tiles_all);
+  if (t0 >= t1) return;
+
+  // ---- the block-table entries of [t0*64, t1*64) into shared memory (-1: out of range), loaded
+  // together with the context lengths (neither waits for the other) ---------------------------------
+  const int e0 = geo.page_of(t0 * kTile);
+  const int e_all = geo.page_of(imin(t1 * kTile, max_seq) - 1) + 1;
+  if (tid == 0) *sbad = 0;
+  for (int e = e0 + tid; e < e_all; e += kThreads) {
+    int64_t pg = e < a.max_blocks ? load_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype)
+                                  : -1;
+    spages[e - e0] = pg < 0 || pg >= a.num_blocks ? -1 : static_cast<int>(pg);
+  }
+  int len[NQ];
+  bool valid[NQ];
+  int ctx_max = 0;
+  DSQ_UNROLL
+  for (int qi = 0; qi < NQ; ++qi) {
+    const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+    valid[qi] = n < a.N;
+    int64_t c = valid[qi] ? load_index(a.context_lens, b * a.ctx_b + n * a.ctx_n, a.ctx_dtype) : 0;
+    c = c < 0 ? 0 : (c > max_seq ? max_seq : c);
+    len[qi] = static_cast<int>(c);
+    ctx_max = imax(ctx_max, len[qi]);
+  }
+  const int tc = imax(t0, imin((ctx_max + kTile - 1) / kTile, t1));   // tiles [t0, tc) read keys
+  const int read_end = imin(tc * kTile, ctx_max);                      // positions [t0*64, read_end) are read
+  const int e1 = read_end > t0 * kTile ? geo.page_of(read_end - 1) + 1 : e0;
+  block_sync();   // spages
+  for (int e = e0 + tid; e < e1; e += kThreads)
+    if (spages[e - e0] < 0) {
+      flag_or(a.err_flag, kPageOutOfRange);
+      *sbad = 1;   // read after the barrier that publishes the q rows
+    }
+
+  uint8_t* sk = smem + plan.k;
+  float* sscale = reinterpret_cast<float*>(smem + plan.scales);
+  uint8_t* sraw = smem + plan.raw;
+  uint8_t* sexp = smem + plan.scales;
+  U32x2* slut = reinterpret_cast<U32x2*>(smem + plan.lut);
+  const uint8_t* kv = a.kv_cache;
+  // Page id of position p (>= 0), or -1 (out of range, past the context, or past the table).
+  auto page_at = [&](int p) -> int { return p < read_end ? spages[geo.page_of(p) - e0] : -1; };
+
+  // ---- copies of tile t into stage s -------------------------------------------------------------
+  // The page of tile t when the whole tile lies in one page that is read (inside one page, inside the read
+  // range, a valid entry), else -1: such tiles take the copy path without per-row checks.
+  const bool tiles_in_pages = P % kTile == 0;
+  auto whole_tile_page = [&](int t) -> int {
+    const int base = t * kTile;
+    return (tiles_in_pages || geo.in_page(base) + kTile <= P) && base + kTile <= read_end ? spages[geo.page_of(base) - e0]
+                                                                                          : -1;
+  };
+  // A whole tile at row o0 of its page is a fixed pattern of 16-byte copies: thread tid copies the same chunks of
+  // every whole tile, at fixed offsets from the stage and from row o0 of the page (o0 % 16 = 0 where the fp8 rows
+  // are preshuffled: P % 16 = 0 and tiles start at multiples of 64). fp8_132: chunk tid % 8 of rows tid / 8 + 16 u
+  // (2048 bytes apart in both orders); FP4: chunk tid % 4 of rows tid / 4 and tid / 4 + 32; the scales or
+  // exponents of rows 4 tid .. 4 tid + 3 (tid < 16).
+  const bool packed68 = FP4 && a.layout == DSQ_SCORER_PACKED68;
+  const int64_t page_bytes = static_cast<int64_t>(P) * (FP4 ? (packed68 ? dsq::kPacked68Row : 64) : dsq::kFp8132Row);
+  const int row_bytes = FP4 ? (packed68 ? 64 : 16) : 128;   // from the data of row o of a page to row o + 1's
+  int wt_dst;                 // in a stage: the thread's first chunk
+  int64_t wt_src, wt_ssrc;    // in a page, for o0 = 0: the thread's first chunk, its scale (or exponent) chunk
+  if constexpr (!FP4) {
+    wt_dst = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
+    wt_src = dsq::fp8_132_data_offset_at(dsq::SlotPos{0, tid >> 3}, P, (tid & 7) * 16, a.preshuffle != 0);
+    wt_ssrc = dsq::fp8_132_scale_offset_at(dsq::SlotPos{0, tid * 4}, P);
+  } else {
+    wt_dst = raw_chunk(tid >> 2, tid & 3);
+    wt_src = packed68 ? dsq::packed68_payload_offset_at(dsq::SlotPos{0, tid >> 2}, P, (tid & 3) * 16)
+                      : dsq::aiter_fp4_data_offset_at(dsq::SlotPos{0, tid >> 2}, P, (tid & 3) * 16);
+    wt_ssrc = dsq::packed68_scale_offset_at(dsq::SlotPos{0, tid * 4}, P, 0);
+  }
+  auto issue = [&](int t, int s) {
+    const int base = t * kTile;
+    const int wpg = whole_tile_page(t);
+    if (wpg >= 0) {
+      const int o0 = geo.in_page(base);
+      const uint8_t* page = kv + static_cast<int64_t>(wpg) * page_bytes;
+      const uint8_t* src = page + o0 * row_bytes + wt_src;
+      if constexpr (!FP4) {
+        uint8_t* dst = sk + s * (kTile * 128) + wt_dst;
+        DSQ_UNROLL
+        for (int u = 0; u < 4; ++u) cp16(dst + u * 2048, src + u * dsq::kFp8132Rows16);
+        if (tid < kTile / 4) cp16(sscale + s * kTile + tid * 4, page + 4 * o0 + wt_ssrc);
+      } else {
+        uint8_t* dst = sraw + s * (kTile * 64) + wt_dst;
+        cp16(dst, src);
+        cp16(dst + 32 * 64, src + 32 * row_bytes);   // row m + 32: the same swizzle, 2048 bytes on
+        if (packed68) {
+          if (tid < kTile / 4) cp16(sexp + s * 512 + tid * 16, page + 4 * o0 + wt_ssrc);
+        } else if (tid < P / 4) {   // the page's 4 P exponent bytes
+          cp16(sexp + s * 512 + tid * 16, a.kv_scale + static_cast<int64_t>(wpg) * 4 * P + tid * 16);
+        }
+      }
+      return;
+    }
+    if constexpr (!FP4) {
+      uint8_t* dst_tile = sk + s * (kTile * 128);
+      DSQ_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const int q = tid + kThreads * i, m = q >> 3, c = q & 7, p = base + m;
+        uint8_t* dst = dst_tile + m * 128 + ((c ^ (m & 7)) << 4);
+        const int pg = page_at(p);
+        if (pg >= 0)
+          cp16(dst, kv + dsq::fp8_132_data_offset_at(dsq::SlotPos{pg, geo.in_page(p)}, P, c * 16, a.preshuffle != 0));
+        else
+          zero16(dst);
+      }
+      if (tid < kTile / 4) {
+        const int m = tid * 4, p = base + m;
+        uint8_t* dst = reinterpret_cast<uint8_t*>(sscale + s * kTile + m);
+        const int pg = page_at(p);
+        if (pg >= 0)
+          cp16(dst, kv + dsq::fp8_132_scale_offset_at(dsq::SlotPos{pg, geo.in_page(p)}, P));
+        else
+          zero16(dst);
+      }
+    } else {
+      uint8_t* dst_tile = sraw + s * (kTile * 64);
+      const bool aiter = a.layout == DSQ_SCORER_AITER_FP4;
+      DSQ_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        const int q = tid + kThreads * i, m = q >> 2, c = q & 3, p = base + m;
+        uint8_t* dst = dst_tile + raw_chunk(m, c);
+        const int pg = page_at(p);
+        if (pg >= 0) {
+          const dsq::SlotPos sp{pg, geo.in_page(p)};
+          cp16(dst, kv + (aiter ? dsq::aiter_fp4_data_offset_at(sp, P, c * 16) : dsq::packed68_payload_offset_at(sp, P, c * 16)));
+        } else {
+          zero16(dst);
+        }
+      }
+      uint8_t* dst_exp = sexp + s * 512;
+      if (!aiter) {
+        if (tid < kTile / 4) {
+          const int m = tid * 4, p = base + m;
+          const int pg = page_at(p);
+          if (pg >= 0)
+            cp16(dst_exp + m * 4, kv + dsq::packed68_scale_offset_at(dsq::SlotPos{pg, geo.in_page(p)}, P, 0));
+          else
+            zero16(dst_exp + m * 4);
+        }
+      } else {
+        // The 4*P exponent bytes of each page the tile touches ([block][interleaved position]).
+        const int per_page = P / 4;                          // 16-byte chunks per page
+        const int chunks = P >= kTile ? per_page : kTile / 4;
+        if (tid < chunks) {
+          const int pi = P >= kTile ? 0 : tid / per_page, k = P >= kTile ? tid : tid % per_page;
+          const int p = P >= kTile ? base : base + pi * P;
+          const int pg = page_at(p);
+          uint8_t* dst = dst_exp + pi * 4 * P + k * 16;
+          if (pg >= 0)
+            cp16(dst, a.kv_scale + static_cast<int64_t>(pg) * 4 * P + k * 16);
+          else
+            zero16(dst);
+        }
+      }
+    }
+  };
+
+  // ---- the pipeline --------------------------------------------------------------------------------
+  const int n_tiles = tc - t0;
+  const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows: m0 and m0 + 8
+  const float wscale = a.weight_scale;
+  // Tiles go in pairs: pair p = tiles 2p, 2p + 1 in stages 2p % kStages, 2p % kStages + 1; one copy group
+  // per pair, kAhead pairs in flight ahead of the one computed.
+  auto issue_pair = [&](int p) {
+    DSQ_UNROLL
+    for (int k = 0; k < 2; ++k)
+      if (2 * p + k < n_tiles) issue(t0 + 2 * p + k, (2 * p + k) % kStages);
+    cp_commit();
+  };
+  DSQ_UNROLL
+  for (int p = 0; p < kAhead; ++p) issue_pair(p);
+
+  // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per block ---------------------------
+  if constexpr (!FP4) {
+    constexpr int kPer = NT * 8 / kThreads;   // 16-byte chunks per thread (all loads first, then the stores)
+    U32x4 v[kPer];
+    DSQ_UNROLL
+    for (int k = 0; k < kPer; ++k) {
+      const int i = tid + k * kThreads, r = i >> 3, c = i & 7, qi = r / H, h = r % H;
+      v[k] = U32x4{0, 0, 0, 0};
+      if (static_cast<int64_t>(group) * NQ + qi < a.N) {
+        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * H + h;
+        v[k] = load16(static_cast<const uint8_t*>(a.q) + row * 128 + c * 16);
+      }
+    }
+    DSQ_UNROLL
+    for (int k = 0; k < kPer; ++k) store_chunk(sq, (tid + k * kThreads) >> 3, (tid + k * kThreads) & 7, v[k]);
+    for (int r = tid; r < NT; r += kThreads) {
+      const int qi = r / H, h = r % H;
+      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+      sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
+    }
+  } else {
+    if (tid < kLutEntries) {   // the magnitude table of each exponent distance (fp4_table)
+      uint32_t lo, hi;
+      fp4_table(tid, lo, hi);
+      slut[tid] = U32x2{lo, hi};
+    }
+    for (int r = tid; r < NT; r += kThreads) {
+      const int qi = r / H, h = r % H;
+      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+      U32x4 raw[4] = {};
+      uint32_t e = 0;
+      float w = 0.f;
+      if (n < a.N) {
+        const int64_t t = b * a.N + n, row = t * H + h;
+        const uint8_t* src = static_cast<const uint8_t*>(a.q) + row * 64;
+        DSQ_UNROLL
+        for (int j = 0; j < 4; ++j) raw[j] = load16(src + 16 * j);
+        const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
+        if (a.layout == DSQ_SCORER_PACKED68) {
+          e = *reinterpret_cast<const uint32_t*>(qs + row * 4);
+        } else {
+          DSQ_UNROLL
+          for (int j = 0; j < 4; ++j) e |= static_cast<uint32_t>(qs[dsq::aiter_q_scale_offset(t, h, j, H)]) << (8 * j);
+        }
+        w = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
+      }
+      const float s = expand_q_row(raw, e, sq, r);
+      sw[r] = n < a.N ? w * s : 0.f;
+    }
+  }
+  async_fence();   // q rows written with plain stores, read by the matrix unit
+  block_sync();    // q rows, weights, the FP4 table
+  float wr[NT / 4];   // this thread's head weights: columns 8c + 2(lane%4) + j at 2c + j
+  DSQ_UNROLL
+  for (int c = 0; c < NT / 8; ++c) {
+    wr[2 * c] = sw[8 * c + 2 * (lane & 3)];
+    wr[2 * c + 1] = sw[8 * c + 2 * (lane & 3) + 1];
+  }
+
+  // Two accumulator sets: tile i + 1's product runs while tile i's epilogue does. FP4 tiles feed the product
+  // from registers (their A fragments, two sets as well: the instruction reads them until it completes).
+  // Wide tiles (NT = 128: 64 accumulator registers) keep one set by default: two would halve the resident blocks
+  // (DSQ_SCORER_DUAL_MAX_ROWS).
+  constexpr bool kDual = NT <= DSQ_SCORER_DUAL_MAX_ROWS;
+  float acc[2][kRegs];
+  uint32_t frag[2][FP4 ? 4 : 1][4];
+  float rscale[2][2];   // the row scales of rows m0 and m0 + 8 (fp32 scales, or the FP4 fold scales)
+
+  // Tile i (its stage landed and visible): read its row scales (FP4: build its A fragments), start its
+  // product into acc[PB].
+  auto start = [&](auto par, int i) {
+    constexpr int PB = decltype(par)::value;
+    const int stage = i % kStages;
+    if constexpr (!FP4) {
+      rscale[PB][0] = sscale[stage * kTile + m0];
+      rscale[PB][1] = sscale[stage * kTile + m0 + 8];
+      mma_ss<NT>(acc[PB], sk + stage * (kTile * 128), sq);
+    } else {
+      const uint8_t* raw = sraw + stage * (kTile * 64);
+      const uint8_t* ex = sexp + stage * 512;
+      const int tq = lane & 3;
+      DSQ_UNROLL
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = m0 + 8 * hr;
+        uint32_t e;
+        if (a.layout == DSQ_SCORER_PACKED68) {
+          e = *reinterpret_cast<const uint32_t*>(ex + m * 4);
+        } else {
+          const int o = geo.in_page((t0 + i) * kTile + m);
+          const uint8_t* region = ex + (P >= kTile ? 0 : (m / P) * 4 * P);
+          const int sf = static_cast<int>(dsq::aiter_sflat(o, P));
+          e = region[sf] | (region[P + sf] << 8) | (region[2 * P + sf] << 16) |
+              (static_cast<uint32_t>(region[3 * P + sf]) << 24);
+        }
+        const int emax = max4(e);
+        rscale[PB][hr] = fold_scale(emax);
+        DSQ_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const U32x2 tab = slut[lut_index(static_cast<int>((e >> (8 * j)) & 255), emax)];
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + raw_chunk(m, j) + 4 * tq);
+          const U32x2 x = expand8(w, tab.x, tab.y);
+          frag[PB][j][hr] = x.x;        // k 4*tq + 0..3:      elements 8*tq + 0..3 of block j
+          frag[PB][j][2 + hr] = x.y;    // k 16 + 4*tq + 0..3: elements 8*tq + 4..7 (q rows are permuted alike)
+        }
+      }
+      mma_rs<NT>(acc[PB], frag[PB], sq);
+    }
+  };
+
+  // The logits a thread stores. After the in-thread head sums a thread holds V = 2 NQ partial logits, (query qi,
+  // row m0 + 8 e) at 2 qi + e; the four lanes of a quad (the same rows) sum them by a reduce-scatter (exchange with
+  // lane ^ 2, then lane ^ 1), after which lane (b1, b0) holds the logits b1 V/2 + b0 V/4 + i, i < kSlots (V = 2:
+  // both lanes of a pair hold logit b1, the even one stores it). Each slot's query, row and context are fixed for
+  // the block.
+  constexpr int V = 2 * NQ;
+  constexpr int kSlots = V >= 4 ? V / 4 : 1;
+  const int b1 = (lane >> 1) & 1, b0 = lane & 1;
+  int slot_key[kSlots], slot_len[kSlots];
+  bool slot_live[kSlots], slot_hi[kSlots];
+  int64_t slot_row[kSlots];
+  int full_end = max_seq;   // positions below it are inside every query's context
+  DSQ_UNROLL
+  for (int qi = 0; qi < NQ; ++qi)
+    if (valid[qi]) full_end = imin(full_end, len[qi]);
+  DSQ_UNROLL
+  for (int i = 0; i < kSlots; ++i) {
+    const int c = V >= 4 ? b1 * (V / 2) + b0 * (V / 4) + i : b1;
+    const int qi = c >> 1;
+    slot_hi[i] = (c & 1) != 0;
+    slot_key[i] = m0 + 8 * (c & 1);
+    slot_len[i] = 0;
+    slot_live[i] = false;
+    DSQ_UNROLL
+    for (int q = 0; q < NQ; ++q)   // selects: qi depends on the lane (no indexing into len, valid)
+      if (q == qi) {
+        slot_len[i] = len[q];
+        slot_live[i] = valid[q] && (V >= 4 || b0 == 0);
+      }
+    slot_row[i] = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * a.ld;
+  }
+  const bool pages_ok = *sbad == 0;   // every page of the read range exists: every position in a context is read
+  auto store = [&](int64_t at, float v) {
+    if (a.out_dtype == dsq::kBF16)
+      static_cast<uint16_t*>(a.logits)[at] = dsq::round_bf16(v);
+    else
+      static_cast<float*>(a.logits)[at] = v;
+  };
+
+  // Tile i's epilogue from acc[PB]: rows m0, m0 + 8; columns 8c + 2(lane%4) + j.
+  // relu(acc * s) = s * relu(acc) for a row scale s >= 0 (or NaN): the scale is applied once per row
+  // after the head sum. A warp with a negative fp8 scale (never written by a writer) scales first.
+  auto epilogue = [&](auto par, int i) {
+    constexpr int PB = decltype(par)::value;
+    const int t = t0 + i;
+    const float sk0 = rscale[PB][0], sk1 = rscale[PB][1];
+    float s0[2 * NQ], s1[2 * NQ];   // two partial sums per query and row: shorter FMA chains
+    auto head_sums = [&](auto scaled) {
+      DSQ_UNROLL
+      for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
+      DSQ_UNROLL
+      for (int c = 0; c < NT / 8; ++c) {
+        const int k = 2 * (c / (H / 8)) + (c & 1);
+        DSQ_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          float x0 = acc[PB][4 * c + j], x1 = acc[PB][4 * c + 2 + j];
+          if constexpr (decltype(scaled)::value) {
+            x0 *= sk0;
+            x1 *= sk1;
+          }
+          s0[k] = fmaf(wr[2 * c + j], relu_nan(x0), s0[k]);
+          s1[k] = fmaf(wr[2 * c + j], relu_nan(x1), s1[k]);
+        }
+      }
+    };
+    head_sums(std::false_type{});
+    float post0 = sk0 * wscale, post1 = sk1 * wscale;
+    if (!FP4 && any_sync(sk0 < 0.f || sk1 < 0.f)) {   // rare: recompute scaled first
+      post0 = post1 = wscale;
+      head_sums(std::true_type{});
+    }
+    float v[V];
+    DSQ_UNROLL
+    for (int qi = 0; qi < NQ; ++qi) {
+      v[2 * qi] = s0[2 * qi] + s0[2 * qi + 1];
+      v[2 * qi + 1] = s1[2 * qi] + s1[2 * qi + 1];
+    }
+    constexpr int V1 = V / 2;
+    float h[V1];
+    DSQ_UNROLL
+    for (int e = 0; e < V1; ++e) {
+      const float give = b1 ? v[e] : v[e + V1], keep = b1 ? v[e + V1] : v[e];
+      h[e] = keep + shfl_xor(give, 2);
+    }
+    float g[kSlots];
+    if constexpr (V1 >= 2) {
+      DSQ_UNROLL
+      for (int e = 0; e < kSlots; ++e) {
+        const float give = b0 ? h[e] : h[e + kSlots], keep = b0 ? h[e + kSlots] : h[e];
+        g[e] = keep + shfl_xor(give, 1);
+      }
+    } else {
+      g[0] = h[0] + shfl_xor(h[0], 1);
+    }
+    const int base = t * kTile;
+    if (pages_ok && base + kTile <= full_end) {   // every row of the tile inside every query's context
+      DSQ_UNROLL
+      for (int s = 0; s < kSlots; ++s)
+        if (slot_live[s]) store(slot_row[s] + base + slot_key[s], g[s] * (slot_hi[s] ? post1 : post0));
+      return;
+    }
+    DSQ_UNROLL
+    for (int s = 0; s < kSlots; ++s) {
+      const int p = base + slot_key[s];
+      if (!slot_live[s] || p >= max_seq) continue;
+      const bool in_ctx = p < slot_len[s];
+      if (!in_ctx && !a.clean_logits) continue;
+      const bool ok = pages_ok || page_at(p) >= 0;
+      store(slot_row[s] + p, in_ctx && ok ? g[s] * (slot_hi[s] ? post1 : post0) : dsq::u2f(0xFF800000u));
+    }
+  };
+
+  // Pair p: wait for its copies and make them visible (the barrier also ends every read of the stages
+  // of pair p - 1, so they are refilled with pair p + kAhead right after it), start both products (tile 2p + 1's
+  // operands are prepared while tile 2p's runs), then tile 2p's epilogue while tile 2p + 1's product runs.
+  // No product is in flight across iterations (the compiler keeps both in flight only then). A tile past the last
+  // runs its product on a stage that holds no tile and skips its epilogue.
+  for (int p = 0; 2 * p < n_tiles; ++p) {
+    cp_wait<kAhead - 1>();
+    if constexpr (!FP4) async_fence();
+    block_sync();
+    issue_pair(p + kAhead);
+    const int i = 2 * p;
+    if constexpr (!kDual) {   // one accumulator set: the two tiles one after the other
+      start(std::integral_constant<int, 0>{}, i);
+      mma_wait<0>();
+      mma_done<NT>(acc[0]);
+      epilogue(std::integral_constant<int, 0>{}, i);
+      if (i + 1 < n_tiles) {
+        start(std::integral_constant<int, 0>{}, i + 1);
+        mma_wait<0>();
+        mma_done<NT>(acc[0]);
+        epilogue(std::integral_constant<int, 0>{}, i + 1);
+      }
+      continue;
+    }
+    start(std::integral_constant<int, 0>{}, i);
+    start(std::integral_constant<int, 1>{}, i + 1);
+    mma_wait<1>();
+    mma_done<NT>(acc[0]);
+    epilogue(std::integral_constant<int, 0>{}, i);
+    mma_wait<0>();
+    mma_done<NT>(acc[1]);
+    if constexpr (FP4) {   // the A fragments stay live until their product completed
+      frag_done(frag[0]);
+      frag_done(frag[1]);
+    }
+    if (i + 1 < n_tiles) epilogue(std::integral_constant<int, 1>{}, i + 1);
+  }
+  cp_wait<0>();   // no copy may land in the block's shared memory after it exits
+
+  // ---- tiles past every query's context: -inf only ---------------------------------------------------
+  if (a.clean_logits) {
+    const int p_begin = tc * kTile, p_end = imin(t1 * kTile, max_seq);
+    DSQ_UNROLL
+    for (int qi = 0; qi < NQ; ++qi) {
+      if (!valid[qi]) continue;
+      const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * a.ld;
+      for (int p = p_begin + tid; p < p_end; p += kThreads) {
+        if (a.out_dtype == dsq::kBF16)
+          static_cast<uint16_t*>(a.logits)[row + p] = 0xFF80;   // bf16 -inf
+        else
+          static_cast<float*>(a.logits)[row + p] = dsq::u2f(0xFF800000u);
+      }
+    }
+  }
+}
+
+// ---- host side: what the launch supports, its queries per block and its work split ---------------------------
+
+// Whether the kernel takes these sizes (else the library returns "not supported" and the caller falls back).
+inline bool supported(const DsqPagedLogitsArgs& a) {
+  if (a.H != 16 && a.H != 32 && a.H != 64 && a.H != 128) return false;
+  if (a.page_size < 4 || a.page_size % 4 || a.max_seq_len >= (int64_t{1} << 30)) return false;
+  // aiter_fp4: a tile's exponents come from one page (P = 64, 128) or from whole pages (P = 16, 32)
+  if (a.preshuffle && a.page_size % 16) return false;   // (the op refuses it before)
+  return a.layout != DSQ_SCORER_AITER_FP4 || a.page_size == 16 || a.page_size == 32 || a.page_size == 64 ||
+         a.page_size == 128;
+}
+
+// Queries per block: the next power of two >= N, up to 128 query rows (H * NQ <= 128).
+inline int queries_per_block(const DsqPagedLogitsArgs& a) {
+  const int64_t cap = 128 / a.H;
+  int64_t nq = 1;
+  while (nq < a.N && nq < cap) nq *= 2;
+  return static_cast<int>(nq);
+}
+
+// The launch's grid (splits x groups x B) and the arguments of paged_logits_block, for `slots` blocks resident at
+// once: splits <= 0 takes as many blocks as fit at once (one wave, no tail).
+struct Plan {
+  int splits, groups, tiles_per_block, n_pages, p_shift;
+};
+inline Plan plan(const DsqPagedLogitsArgs& a, int nq, int64_t slots) {
+  Plan p{};
+  p.groups = static_cast<int>((a.N + nq - 1) / nq);
+  const int tiles = static_cast<int>((a.max_seq_len + kTile - 1) / kTile);
+  int64_t splits = a.splits;
+  if (splits <= 0) splits = slots / (a.B * p.groups);
+  splits = splits < 1 ? 1 : (splits > tiles ? tiles : splits);
+  p.tiles_per_block = static_cast<int>((tiles + splits - 1) / splits);
+  p.splits = (tiles + p.tiles_per_block - 1) / p.tiles_per_block;
+  const int P = static_cast<int>(a.page_size);
+  p.n_pages = p.tiles_per_block * kTile / P + 2;
+  p.p_shift = -1;
+  if ((P & (P - 1)) == 0)
+    for (p.p_shift = 0; (1 << p.p_shift) < P; ++p.p_shift) {
+    }
+  return p;
+}
+
+}  // namespace dsqsc

@@ -1,0 +1,209 @@
+"""The CUDA decode scorer's block body (kernels/cuda/scorer_body.cuh) on the CPU, against the reference.
+
+tests/cpp/scorer_host.cpp runs the body unchanged under the fiber emulator of tests/cpp/fibers.h, with a layer
+modelled on the hardware (asynchronous copies that land only when their group is waited for, the matrix unit's
+swizzled operand addressing, register operands gathered across the lanes that hold them, accumulator fragments,
+garbage shared memory), through the backend's own argument struct (dsaquant.backends.scorer.make_args). Every
+case compares with the reference scorer: -inf, NaN and untouched entries exactly where it has them, logits within
+1e-5 of mag = |weight_scale| * sum_h |w_h| * sum_d |q_hd k_pd| (the emulated products are exact; the sums run in
+another order), every layout, H, queries per block, page size (powers of two and not), context form, dtype,
+split and block order, hostile tables with the error flag, NaN inputs and negative fp8 scales."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from dsaquant.backends import scorer as abi
+from dsaquant.codes import ErrFlag
+from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
+from dsaquant.testing import run_scorer, scorer_magnitude
+from dsaquant.triton.scorer import make_scorer_inputs
+
+from conftest import REPO
+from host_cpp import build, cxx
+
+CPP = REPO / "tests" / "cpp"
+SOURCES = [CPP / "scorer_host.cpp", REPO / "kernels" / "cuda" / "scorer_body.cuh", REPO / "kernels" / "cuda" / "scorer.h",
+           CPP / "fibers.h"]
+LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
+UNTOUCHED = 12345.0
+TOL = 1e-5
+FLAG_PAGE = int(ErrFlag.page_out_of_range)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The emulator of the kernel body."""
+    if cxx() is None:
+        pytest.skip("no C++ compiler")
+    so = build(SOURCES, "scorer_host", "the scorer emulator", (), includes=(str(CPP),))
+    h = ctypes.CDLL(str(so))
+    h.dsq_paged_mqa_logits.argtypes = [ctypes.POINTER(abi.PagedLogitsArgs), ctypes.c_void_p]
+    h.dsq_paged_mqa_logits.restype = ctypes.c_int
+    h.dsq_error_string.restype = ctypes.c_char_p
+    h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
+    return h
+
+
+def make(layout, B, N, H, ctx, P=64, seed=0, ctx_form="1d", preshuffle=False, w_dtype=torch.float32):
+    """Random inputs with context lengths in [1, ctx] ([B] or [B, N])."""
+    a = make_scorer_inputs(layout, B, N, H, ctx, P, device="cpu", seed=seed, preshuffle=preshuffle)
+    g = torch.Generator().manual_seed(seed + 1)
+    a["context_lens"] = torch.randint(1, ctx + 1, (B,) if ctx_form == "1d" else (B, N), generator=g, dtype=torch.int32)
+    a["weights"] = a["weights"].to(w_dtype)
+    return a
+
+
+def ref_args(a, layout, P):
+    return (a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_tables"], a["max_seq_len"], layout,
+            a.get("q_scale"), a.get("kv_cache_scale"), a["weight_scale"], a.get("preshuffle", False), "e4m3fn", P)
+
+
+def emulate(lib, a, layout, P, *, clean=True, out_dtype=torch.float32, splits=0, slots=8, order=0):
+    """(logits, error flag) of the emulated kernel; entries it does not write keep UNTOUCHED."""
+    args = ref_args(a, layout, P)
+    B, N = a["q"].shape[:2]
+    out = torch.full((B * N, a["max_seq_len"]), UNTOUCHED, dtype=out_dtype)
+    flag = torch.zeros(1, dtype=torch.int32)
+    st = abi.make_args(*args[:11], P, clean, out, flag, 0, splits)
+    lib.dsq_emu_set_order(order, 11)
+    lib.dsq_emu_set_slots(slots)
+    rc = lib.dsq_paged_mqa_logits(ctypes.byref(st), None)
+    assert rc == 0, f"rc {rc}: {lib.dsq_error_string(rc).decode()}"
+    return out, int(flag)
+
+
+def check(out, a, layout, P, what, *, clean=True, bf16=False):
+    """Asserts the emulated logits match the reference's (see the module docstring)."""
+    args = ref_args(a, layout, P)
+    ref = run_scorer(ref_scorer, *args)
+    mag = scorer_magnitude(args)
+    B, N = a["q"].shape[:2]
+    if not clean:   # entries past each query's context stay untouched, the rest as with clean logits
+        ctx = a["context_lens"].to(torch.int64).reshape(B, -1).expand(B, N).reshape(B * N, 1)   # [B]: every query
+        inside = torch.arange(a["max_seq_len"])[None, :] < ctx.clamp(0, a["max_seq_len"])
+        assert bool((out[~inside].float() == UNTOUCHED).all()), f"{what}: entries past the context were written"
+        out = torch.where(inside, out.float(), ref)
+    assert not bool((out.float() == UNTOUCHED).any()), f"{what}: entries left unwritten"
+    if bf16:
+        ref, mag = ref.to(torch.bfloat16).float(), mag + ref.abs()
+    got = out.float()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{what}: -inf positions differ"
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"{what}: NaN positions differ"
+    fin = torch.isfinite(ref)
+    assert bool(torch.isfinite(got[fin]).all()), f"{what}: non-finite where the reference is finite"
+    if bool(fin.any()):
+        err = float(((got[fin] - ref[fin]).abs() / (mag[fin] + 1e-30)).max())
+        assert err <= (2 ** -8 if bf16 else TOL), f"{what}: error {err:.3g} x mag"
+
+
+# layout, H, N (queries: NQ = the next power of two, up to 128 / H), ctx form: every tile width (NT = 16 .. 128),
+# both accumulator modes (two sets up to 64 rows, one beyond) and partial query groups (N = 3 of NQ = 4).
+GRID = [(lay, h, n, "2d" if n > 1 else "1d") for lay in LAYOUTS for (h, n) in ((16, 1), (16, 3), (32, 2), (64, 1), (64, 2),
+                                                                              (128, 1))]
+
+
+@pytest.mark.parametrize("layout,H,N,form", GRID)
+def test_grid_matches_reference(lib, layout, H, N, form):
+    a = make(layout, 2, N, H, 300, seed=H + N, ctx_form=form)
+    out, flag = emulate(lib, a, layout, 64)
+    check(out, a, layout, 64, f"{layout} H={H} N={N} {form}")
+    assert flag == 0
+
+
+@pytest.mark.parametrize("layout,P,pre", [(lay, p, False) for lay in LAYOUTS for p in (16, 32, 128)] +
+                         [("fp8_132", 48, False), ("packed68", 20, False), ("fp8_132", 100, False),
+                          ("packed68", 96, False), ("fp8_132", 128, True), ("fp8_132", 32, True), ("fp8_132", 80, True)])
+def test_page_sizes(lib, layout, P, pre):
+    """Tiles over several pages (P < 64), pages over several tiles (tiles at rows 64, 128 .. of a page), page sizes
+    that are not powers of two (tiles across two pages), plain and preshuffled fp8 rows."""
+    a = make(layout, 2, 2, 32, 333, P=P, seed=P, ctx_form="2d", preshuffle=pre)
+    out, flag = emulate(lib, a, layout, P)
+    check(out, a, layout, P, f"{layout} P={P} preshuffle={pre}")
+    assert flag == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dtypes_and_preshuffle(lib, layout):
+    """bf16 weights and logits; fp8_132 with the preshuffled row order."""
+    a = make(layout, 2, 2, 64, 200, seed=3, ctx_form="1d", preshuffle=layout == "fp8_132", w_dtype=torch.bfloat16)
+    for dt in (torch.float32, torch.bfloat16):
+        out, _ = emulate(lib, a, layout, 64, out_dtype=dt)
+        check(out, a, layout, 64, f"{layout} out={dt}", bf16=dt == torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_clean_logits_false_leaves_the_rest(lib, layout):
+    a = make(layout, 3, 2, 16, 260, seed=4, ctx_form="1d")
+    out, _ = emulate(lib, a, layout, 64, clean=False)
+    check(out, a, layout, 64, f"{layout} clean=False", clean=False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_splits_and_block_orders(lib, layout):
+    """The context split over blocks (explicit counts, and the plan's for several device sizes) and the order in
+    which blocks run change nothing."""
+    a = make(layout, 2, 1, 64, 520, seed=5)
+    for splits, slots, order in ((1, 8, 0), (3, 8, 1), (0, 40, 2), (0, 1, 0), (100, 8, 2)):
+        out, _ = emulate(lib, a, layout, 64, splits=splits, slots=slots, order=order)
+        check(out, a, layout, 64, f"{layout} splits={splits} slots={slots} order={order}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hostile_tables(lib, layout):
+    """Page ids outside [0, num_blocks), contexts past max_seq_len, past the table and negative: the reference's
+    values and -inf pattern, no copy outside the cache (the emulator checks every one), and the error flag."""
+    a = make(layout, 5, 2, 32, 640, seed=6, ctx_form="2d")
+    NB = a["kv_cache"].shape[0]
+    bt = a["block_tables"]
+    bt[0, 1] = -3
+    bt[1, 2] = NB
+    bt[2, 0] = NB + 1000
+    a["block_tables"] = bt[:, :8].contiguous()   # 8 pages of 64 cover 512 of 640 positions
+    a["context_lens"] = torch.tensor([[640, 300], [5000, 100], [-4, 64], [600, 0], [513, 512]], dtype=torch.int32)
+    out, flag = emulate(lib, a, layout, 64, splits=3)
+    check(out, a, layout, 64, f"hostile {layout}")
+    assert flag & FLAG_PAGE
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_inputs(lib, layout):
+    a = make(layout, 2, 1, 64, 300, seed=7)
+    kv = a["kv_cache"]
+    page = int(a["block_tables"][0, 1])
+    if layout == "fp8_132":
+        kv[page, 5 * 128 + 3] = 0x7F                    # NaN code at position 64 + 5 of sequence 0
+        a["q"][1, 0, 7, 9] = 0xFF                       # NaN code in a q head of sequence 1
+    elif layout == "packed68":
+        kv[page, 64 * 64 + 4 * 5 + 2] = 255             # NaN scale of block 2 of position 64 + 5
+        a["q_scale"][1, 0, 7, 1] = 255
+    else:
+        a["kv_cache_scale"][page, 0, 1, (5 % 16) * 4 + 5 // 16] = 255
+    a["context_lens"] = torch.tensor([300, 300], dtype=torch.int32)
+    out, _ = emulate(lib, a, layout, 64)
+    check(out, a, layout, 64, f"NaN {layout}")
+    assert bool(out.isnan().any())
+
+
+def test_negative_fp8_scales(lib):
+    """fp8_132 k scales below zero (no writer produces them): relu applies to the scaled products."""
+    P = 64
+    a = make("fp8_132", 2, 2, 32, 256, seed=8, ctx_form="2d")
+    sc = a["kv_cache"][:, P * 128:].contiguous().view(torch.float32)
+    sc[::2, 3::7] *= -1
+    a["kv_cache"][:, P * 128:] = sc.view(torch.uint8)
+    out, _ = emulate(lib, a, "fp8_132", P)
+    check(out, a, "fp8_132", P, "negative scales")
+
+
+def test_aiter_pages_across_tiles_are_left_to_triton(lib):
+    """aiter_fp4 pages of 80, 96 or 112 slots (a tile's exponents in two pages) are not taken: the library
+    returns cudaErrorNotSupported (801) before anything is written, and the backend calls the Triton kernel."""
+    a = make("aiter_fp4", 1, 1, 16, 200, P=96, seed=9)
+    out = torch.full((1, 200), UNTOUCHED)
+    st = abi.make_args(*ref_args(a, "aiter_fp4", 96)[:11], 96, True, out, torch.zeros(1, dtype=torch.int32), 0)
+    assert lib.dsq_paged_mqa_logits(ctypes.byref(st), None) == abi.ERR_NOT_SUPPORTED
+    assert bool((out == UNTOUCHED).all())
