@@ -119,6 +119,11 @@ CASES = {
     # ~3500 keys a value: lists of 5000-6500 words, the 8192-word sort (AMD: past its 4096, the fallback)
     "ties-big-sort": (2, 60000, 3000, "ties", "decode", 1, torch.float32, 4),
     "lsb-one-top-bin": (2, 12000, 300, "lsb", "decode", 1, torch.float32, 3),
+    # the selection inside bin b: 8000 words of one bin (AMD: past its 4096, the fallback), and a bin of equal
+    # keys where only the positions decide
+    "lsb-select-in-bin": (2, 8000, 300, "lsb", "decode", 1, torch.float32, 1),
+    "lsb-select-in-bin-lists": (2, 8000, 300, "lsb", "decode", 1, torch.float32, 2),
+    "ties-select-by-position": (2, 6000, 700, "ties", "prefill", 1, torch.float32, 1),
     "specials-mtp2": (4, 10000, 600, "specials", "decode", 2, torch.float32, 2),
     "decode2d-mtp3": (6, 9000, 256, "specials", "decode2d", 3, torch.float32, 2),
     "k-past-row": (3, 3000, 4000, "randn", "prefill", 1, torch.float32, 2),

@@ -14,8 +14,9 @@
 //
 // One block a row (`chunks` <= 1), row_block: a 4096-bin shared histogram of the top 12 bits of the row's keys
 // gives the threshold bin b (as in the few-long-rows path below); a second read puts the words of the keys above
-// b and in b into the sort buffer, which sorts them and writes the first k: every key above b precedes every key in
-// b, so the two groups are sorted apart where their padded lengths add up to less than the whole's (write_row).
+// b and in b into the sort buffer; when there are more than k, a radix selection over the words of bin b in shared
+// memory keeps the k - above largest of them (every key above b precedes every key in b), and the k taken words are
+// sorted and written (write_row).
 // When bin b holds more than the buffer takes (a row of massive ties), the radix selection instead:
 //   * Threshold: up to four 8-bit radix passes from the top. A shared-memory histogram of the current digit
 //     of the keys matching the digits fixed so far (4 copies, each shared by a quarter of the warps), then a scan
@@ -36,8 +37,8 @@
 //      the count of keys in higher bins reaches k (none when the row has at most k candidates: all are taken),
 //      and appends the words of its keys above bin b to the row's "above" list (fewer than k) and those in bin b
 //      to its "bin" list, each tile's slots reserved with one atomic add;
-//   3. finish_block: one block per row sorts both lists (apart or together, as row_block; their sum is at most
-//      kSortWords) and writes the first k, or, when bin b holds more than fits (a row of massive ties), runs the
+//   3. finish_block: one block per row loads both lists (their sum is at most kSortWords), keeps the k largest
+//      words and sorts and writes them (as row_block), or, when bin b holds more than fits (a row of massive ties), runs the
 //      one-block selection on the row instead. The lists' order depends on the atomics, their contents and the
 //      sorted result do not.
 #pragma once
@@ -373,7 +374,7 @@ TOPK_FN void sort_desc(unsigned long long* buf) {
       for (; stride >= 32 * E; stride >>= 1) {
         block_sync();
         for (int32_t i = tid; i < n / 2; i += kThreads) {
-          const int32_t lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
+          const int32_t lo = ((i & ~(stride - 1)) << 1) | (i & (stride - 1)), hi = lo + stride;   // stride: 2^m
           const unsigned long long x = buf[lo], y = buf[hi];
           if ((x < y) == ((lo & size) == 0)) {
             buf[lo] = y;
@@ -451,27 +452,69 @@ TOPK_FN void pad_row(const DsqTopkArgs& a, int64_t row, int64_t from) {
   for (int64_t j = from + thread_id(); j < a.k; j += kThreads) out[j] = -1;
 }
 
-// The row's k outputs from its candidates, `above` words at sh.sort[0, above) and `in_bin` at
-// sh.sort[bin_at, bin_at + in_bin): every word of the first group is larger than every word of the second (the
-// keys above the threshold bin and those in it), so with bin_at = sort_pad(above) the groups are sorted apart,
-// each padded only to its own length; with bin_at = above they are sorted together.
-TOPK_FN void write_row(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t above, int32_t bin_at, int32_t in_bin,
-                       Shared& sh) {
-  if (bin_at == above) {
-    sort_and_write_part(a, row, rel, sh.sort, above + in_bin, 0);
-  } else {
-    sort_and_write_part(a, row, rel, sh.sort, above, 0);
-    sort_and_write_part(a, row, rel, sh.sort + bin_at, in_bin, above);
+// The `want` largest of the n unique words at buf[0, n) (shared memory), whose keys share their top kDigitBits bits,
+// moved to buf[0, want) in any order (0 < want < n <= kSortWords): a radix selection, 8 bits a pass from the top of
+// the remaining 52 bits, over the words whose higher bits equal the prefix fixed so far, until the bucket of the
+// prefix holds exactly the words still wanted (it does by the last bit at the latest: the words are unique). The
+// words taken are then those whose bits from `lvl` up are at least the prefix's.
+TOPK_FN void select_words(unsigned long long* buf, int32_t n, int32_t want, Shared& sh) {
+  constexpr int kPer = kSortWords / kThreads;
+  const int tid = thread_id();
+  unsigned long long prefix = buf[0] >> (64 - kDigitBits) << (64 - kDigitBits);   // the words' common top bits
+  int lvl = 64 - kDigitBits;                                          // bits lvl.. are fixed
+  while (lvl > 0) {
+    const int shift = lvl > 8 ? lvl - 8 : 0;
+    const unsigned long long mask = (1ull << (lvl - shift)) - 1ull;
+    for (int b = tid; b < kCopies * kBins; b += kThreads) sh.hist[b / kBins][b % kBins] = 0;
+    block_sync();
+    for (int32_t i = tid; i < n; i += kThreads) {
+      const unsigned long long w = buf[i];
+      if ((w >> lvl) == (prefix >> lvl))
+        shared_add(&sh.hist[(tid >> 5) & (kCopies - 1)][static_cast<int>((w >> shift) & mask)], 1);
+    }
+    block_sync();
+    // thread t < 256 holds bin 255 - t: the inclusive scan is the count of bucket words with a digit >= that bin
+    int h = 0;
+    if (tid < kBins)
+      for (int c = 0; c < kCopies; ++c) h += sh.hist[c][kBins - 1 - tid];
+    const int ge = scan256(h, sh.scan);
+    if (tid < kBins && ge >= want && ge - h < want) {
+      sh.digit = kBins - 1 - tid;
+      sh.above = ge - h;
+      sh.in_bucket = h;
+    }
+    block_sync();
+    prefix |= static_cast<unsigned long long>(sh.digit) << shift;
+    want -= sh.above;
+    const bool whole_bucket = want == sh.in_bucket;
+    lvl = shift;
+    block_sync();   // sh.digit etc. are rewritten by the next pass
+    if (whole_bucket) break;
   }
-  pad_row(a, row, static_cast<int64_t>(above) + in_bin);
+  // every thread reads its words before any is moved: the taken ones are compacted in place
+  unsigned long long v[kPer];
+  DSQ_UNROLL
+  for (int j = 0; j < kPer; ++j) v[j] = tid + j * kThreads < n ? buf[tid + j * kThreads] : 0ull;
+  if (tid == 0) sh.fill[0] = 0;
+  block_sync();
+  const unsigned long long t = prefix >> lvl;
+  DSQ_UNROLL
+  for (int j = 0; j < kPer; ++j)
+    if (tid + j * kThreads < n && (v[j] >> lvl) >= t) buf[shared_add(&sh.fill[0], 1)] = v[j];
+  block_sync();
 }
 
-// Where a row's bin group starts in sh.sort (write_row): apart when the two padded groups are shorter than the
-// padded whole (two sorts of the same total length measured slower than one). The caller has checked that
-// above + in_bin fits the buffer, so the padded groups then fit too.
-TOPK_FN int32_t bin_start(int32_t above, int32_t in_bin) {
-  return above > 0 && in_bin > 0 && sort_pad(above) + sort_pad(in_bin) < sort_pad(above + in_bin) ? sort_pad(above)
-                                                                                                  : above;
+// The row's k outputs from its candidates: `above` words at sh.sort[0, above), every one larger than the `in_bin`
+// words at sh.sort[above, above + in_bin) (the keys above the threshold bin and those in it). When there are more
+// than k, the k - above largest of the bin are selected first, so that only the k taken words are sorted.
+TOPK_FN void write_row(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t above, int32_t in_bin, Shared& sh) {
+  int32_t n = above + in_bin;
+  if (n > a.k) {
+    select_words(sh.sort + above, in_bin, static_cast<int32_t>(a.k - above), sh);
+    n = static_cast<int32_t>(a.k);
+  }
+  sort_and_write_part(a, row, rel, sh.sort, n, 0);
+  pad_row(a, row, n);
 }
 
 // One block a row: block `row`.
@@ -485,11 +528,10 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   threshold_bin(sh.digits, a.k, sh.scan, sh.th);
   const Threshold th = sh.th;
   if (th.above + th.in_bin <= kSortWords) {
-    // the keys above the threshold bin into sh.sort[0, above), those in it from bin_at on, in any order
-    const int32_t bin_at = bin_start(th.above, th.in_bin);
+    // the keys above the threshold bin into sh.sort[0, above), those in it from above on, in any order
     if (thread_id() == 0) {
       sh.fill[0] = 0;
-      sh.fill[1] = bin_at;
+      sh.fill[1] = th.above;
     }
     block_sync();
     DSQ_UNROLL_N(4)
@@ -499,11 +541,11 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
       if (key != 0u && d >= th.digit) sh.sort[shared_add(&sh.fill[d > th.digit ? 0 : 1], 1)] = word_of(key, p);
     }
     block_sync();
-    write_row(a, row, rel, th.above, bin_at, th.in_bin, sh);
+    write_row(a, row, rel, th.above, th.in_bin, sh);
   } else {
     const int32_t taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
     block_sync();
-    write_row(a, row, rel, taken, taken, 0, sh);
+    write_row(a, row, rel, taken, 0, sh);
   }
 }
 
@@ -589,15 +631,14 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   if (n_above + n_bin <= kSortWords) {
     const unsigned long long* const above_list = w.above + row * a.k;
     const unsigned long long* const bin_list = w.bins + row * kBinCap;
-    const int32_t bin_at = bin_start(n_above, n_bin);
     for (int j = thread_id(); j < n_above; j += kThreads) sh.sort[j] = above_list[j];
-    for (int j = thread_id(); j < n_bin; j += kThreads) sh.sort[bin_at + j] = bin_list[j];
+    for (int j = thread_id(); j < n_bin; j += kThreads) sh.sort[n_above + j] = bin_list[j];
     block_sync();
-    write_row(a, row, rel, n_above, bin_at, n_bin, sh);
+    write_row(a, row, rel, n_above, n_bin, sh);
   } else {
     const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
     block_sync();
-    write_row(a, row, rel, taken, taken, 0, sh);
+    write_row(a, row, rel, taken, 0, sh);
   }
 }
 
