@@ -92,6 +92,43 @@ TOPK_FN uint32_t load_key(const void* row, int64_t p) {
   return order_key_bits(dsq::f2u(dsq::fp16_to_f32(h)));
 }
 
+// The key of element j of a 16-byte load holding 16 / size keys (little endian).
+template <int DT>
+TOPK_FN uint32_t key_in(const uint32_t (&w)[4], int j) {
+  if (DT == 0) return order_key_bits(w[j]);
+  const uint16_t h = static_cast<uint16_t>(w[j >> 1] >> (16 * (j & 1)));
+  if (DT == 1) return order_key_bits(static_cast<uint32_t>(h) << 16);
+  return order_key_bits(dsq::f2u(dsq::fp16_to_f32(h)));
+}
+
+struct alignas(16) Words16 {
+  uint32_t w[4];
+};
+
+// f(position, key) for every position of [lo, hi) of `row`, the block's threads together, in no particular order:
+// 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, several in flight
+// per thread, single keys for the unaligned head and the tail.
+template <int DT, class F>
+TOPK_FN void for_each_key(const void* row, int64_t lo, int64_t hi, F f) {
+  constexpr int kSize = DT == 0 ? 4 : 2;
+  constexpr int kPer = 16 / kSize;
+  const int tid = thread_id();
+  const char* const base = static_cast<const char*>(row);
+  const int64_t mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(base + lo * kSize) & 15u);
+  int64_t a0 = lo + (16 - mis) % 16 / kSize;   // the first aligned position (elements are kSize-aligned)
+  if (a0 > hi) a0 = hi;
+  const int64_t n16 = (hi - a0) / kPer;
+  for (int64_t p = lo + tid; p < a0; p += kThreads) f(p, load_key<DT>(row, p));
+  const Words16* const v = reinterpret_cast<const Words16*>(base + a0 * kSize);
+  DSQ_UNROLL_N(4)
+  for (int64_t i = tid; i < n16; i += kThreads) {
+    const Words16 x = v[i];
+    DSQ_UNROLL
+    for (int j = 0; j < kPer; ++j) f(a0 + i * kPer + j, key_in<DT>(x.w, j));
+  }
+  for (int64_t p = a0 + n16 * kPer + tid; p < hi; p += kThreads) f(p, load_key<DT>(row, p));
+}
+
 TOPK_FN unsigned long long word_of(uint32_t key, int64_t pos) {
   return (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(pos));
 }
@@ -248,11 +285,9 @@ template <int DT>
 TOPK_FN void count_digits(const void* row, int64_t lo, int64_t hi, int* digits) {
   for (int b = thread_id(); b < kDigits; b += kThreads) digits[b] = 0;
   block_sync();
-  DSQ_UNROLL_N(8)
-  for (int64_t p = lo + thread_id(); p < hi; p += kThreads) {
-    const uint32_t key = load_key<DT>(row, p);
+  for_each_key<DT>(row, lo, hi, [digits](int64_t, uint32_t key) {
     if (key) shared_add(&digits[key >> kDigitShift], 1);
-  }
+  });
   block_sync();
 }
 
@@ -534,12 +569,11 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
       sh.fill[1] = th.above;
     }
     block_sync();
-    DSQ_UNROLL_N(4)
-    for (int64_t p = start + thread_id(); p < end; p += kThreads) {
-      const uint32_t key = load_key<DT>(src, p);
-      const int64_t d = static_cast<int64_t>(key >> kDigitShift);
-      if (key != 0u && d >= th.digit) sh.sort[shared_add(&sh.fill[d > th.digit ? 0 : 1], 1)] = word_of(key, p);
-    }
+    const int digit = th.digit;
+    for_each_key<DT>(src, start, end, [&sh, digit](int64_t p, uint32_t key) {
+      const int d = static_cast<int>(key >> kDigitShift);
+      if (key != 0u && d >= digit) sh.sort[shared_add(&sh.fill[d > digit ? 0 : 1], 1)] = word_of(key, p);
+    });
     block_sync();
     write_row(a, row, rel, th.above, th.in_bin, sh);
   } else {
