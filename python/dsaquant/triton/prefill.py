@@ -17,7 +17,8 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     e4m3 times a power of two), then FOLD_PASS 1 runs the FP8 tile (one fp8 dot, the query rows' powers of two
     in the weights, the keys' after the head sum) and writes the logits whose key and query row fold, and
     FOLD_PASS 2 the bf16 dots of the others (values decoded exactly: SPEC §1 values times a power of two, split
-    into the even and odd elements, two dots with K = 64). Other devices: the bf16 dots, one launch. The cuda
+    into the even and odd elements, two dots with K = 64; a program loads and decodes its query rows only when
+    one of its rows or of the keys does not fold, so where everything folds the pass costs its launch). Other devices: the bf16 dots, one launch. The cuda
     backend runs its own kernel as pass 1 (fold_keys, fold_queries: the pre-passes it needs).
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
@@ -160,9 +161,9 @@ def _fold_scale(emax):
 
 
 @triton.jit
-def _fold_query_rows(qp, qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
-    """The BQ query rows (BQ*H rows (i, h): payload [BQ*H, 64], exponent words, weights; r_ok: rows that exist)
-    folded into e4m3 -> (values [BQ*H, 128] in element order, weights times the rows' scales, [BQ] int32: every
+def _fold_rows(qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
+    """Which of the BQ query rows fold (BQ*H rows (i, h): exponent words, weights; r_ok: rows that exist) ->
+    (the rows' largest exponents (127 where a row does not fold), weights times the rows' scales, [BQ] int32: every
     head of the query folds, its weight product a normal number or 0 (rows that do not exist count as folding))."""
     q_ok, q_emax = _fold_ok(qword)
     q_emax = tl.where(q_ok, q_emax, 127)
@@ -170,6 +171,14 @@ def _fold_query_rows(qp, qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
     aw = tl.abs(w_fold)
     q_ok = q_ok & ((w_col == 0.0) | ((aw >= 1.1754943508222875e-38) & (aw < float("inf"))))
     rfold = tl.min(tl.reshape((q_ok | ~r_ok).to(tl.int32), (BQ, H)), axis=1)
+    return q_emax, w_fold, rfold
+
+
+@triton.jit
+def _fold_query_rows(qp, qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
+    """The BQ query rows (payload [BQ*H, 64] besides _fold_rows' arguments) folded into e4m3 -> (values
+    [BQ*H, 128] in element order, and _fold_rows' weights and flags)."""
+    q_emax, w_fold, rfold = _fold_rows(qword, w_col, r_ok, BQ, H)
     return _fp4_fold_e4m3(qp, qword, q_emax, tl.arange(0, 64)), w_fold, rfold
 
 
@@ -282,17 +291,20 @@ def _mqa_logits_kernel(
             qT0 = tl.trans(_operand(_fp8_decode(qc, FNUZ), DOT_F32))
     elif LAYOUT == 1:
         col = tl.arange(0, 64)
-        qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
         qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
-        if FOLD_PASS != 1:   # the bf16 operands (even and odd elements)
+        if FOLD_PASS == 0:   # the bf16 operands (even and odd elements)
+            qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
             q_lo, q_hi = _fp4_dequant(qp, qword, col)
             qT0 = tl.trans(_operand(q_lo, DOT_F32))
             qT1 = tl.trans(_operand(q_hi, DOT_F32))
-        if FOLD_PASS != 0:   # rfold: the query rows that fold; qe1: all of them; pass 1's operand qT2
+        elif FOLD_PASS == 1:   # rfold: the query rows that fold; qe1: all of them; the operand qT2
+            qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
             q8, w_fold, rfold = _fold_query_rows(qp, qword, w_col, r_ok, BQ, H)
             qe1 = tl.min(rfold, axis=0)
-            if FOLD_PASS == 1:
-                qT2 = tl.trans(q8)
+            qT2 = tl.trans(q8)
+        else:   # only which rows fold here: the bf16 operands are built below, by programs with entries to write
+            q_emax, w_fold, rfold = _fold_rows(qword, w_col, r_ok, BQ, H)
+            qe1 = tl.min(rfold, axis=0)
     else:
         c16 = tl.arange(0, 16)
         qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
@@ -315,14 +327,36 @@ def _mqa_logits_kernel(
     t_end = tl.minimum(t_begin + tiles_per_prog, num_tiles)
     t_lo = tl.maximum(t_begin, lo_min // BLOCK_KV)
     t_hi = tl.minimum(t_end, tl.cdiv(hi_max, BLOCK_KV))
-    if FOLD_PASS == 2:   # the second pass has nothing to do where every key and every row of the program folds
+    if FOLD_PASS == 2:
+        # the second pass (FP4 folded) has nothing to do where every key and every row of the program folds, the
+        # usual case: only programs with entries to write load and decode their query rows
         t_hi = tl.where((tl.load(kall_ptr) != 0) & (qe1 != 0), t_lo, t_hi)
-    if STATIC_TILES == 0:
+        if t_lo < t_hi:
+            c64 = tl.arange(0, 64)
+            qp2 = tl.load(q_ptr + qrow[:, None] * 64 + c64[None, :], mask=r_ok[:, None], other=0)
+            q_lo2, q_hi2 = _fp4_dequant(qp2, qword, c64)
+            qL = tl.trans(_operand(q_lo2, DOT_F32))
+            qH = tl.trans(_operand(q_hi2, DOT_F32))
+            if STATIC_TILES == 0:
+                for t in range(t_lo, t_hi):
+                    _logits_tile(t, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi,
+                                 base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ,
+                                 BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED,
+                                 OUT_KIND, FOLD_PASS)
+            else:
+                for it in range(STATIC_TILES):
+                    t = t_begin + it
+                    if (t >= t_lo) & (t < t_hi):
+                        _logits_tile(t, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo,
+                                     hi, base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H,
+                                     BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN,
+                                     COMPRESSED, OUT_KIND, FOLD_PASS)
+    elif STATIC_TILES == 0:
         for t in range(t_lo, t_hi):
             _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base, k_ptr,
                          kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
                          IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
-        if FILL and FOLD_PASS != 2:
+        if FILL:
             for t in range(t_begin, tl.minimum(t_lo, t_end)):
                 _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
             for t in range(tl.maximum(t_hi, t_begin), t_end):
@@ -336,7 +370,7 @@ def _mqa_logits_kernel(
                              k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
                              DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
             else:
-                if FILL and FOLD_PASS != 2:
+                if FILL:
                     if t < t_end:
                         _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
 
