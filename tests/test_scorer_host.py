@@ -101,9 +101,10 @@ def check(out, a, layout, P, what, *, clean=True, bf16=False):
 
 
 # layout, H, N (queries: NQ = the next power of two, up to 128 / H), ctx form: every tile width (NT = 16 .. 128),
-# both accumulator modes (two sets up to 64 rows, one beyond) and partial query groups (N = 3 of NQ = 4).
-GRID = [(lay, h, n, "2d" if n > 1 else "1d") for lay in LAYOUTS for (h, n) in ((16, 1), (16, 3), (32, 2), (64, 1), (64, 2),
-                                                                              (128, 1))]
+# both accumulator modes (two sets up to 64 rows, one beyond), 1 to 4 logits a lane stores, and partial query
+# groups (N = 3 of NQ = 4, 7 of 8).
+GRID = [(lay, h, n, "2d" if n > 1 else "1d") for lay in LAYOUTS
+        for (h, n) in ((16, 1), (16, 3), (16, 7), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1))]
 
 
 @pytest.mark.parametrize("layout,H,N,form", GRID)
