@@ -12,6 +12,7 @@ import torch
 
 from dsaquant import dispatch, errors, ops
 from dsaquant.prefill import gather_index_cache, mqa_logits, mqa_topk
+from dsaquant.testing import scorer_hostile_tables
 from dsaquant.topk import topk_indices
 from dsaquant.triton.scorer import make_scorer_inputs
 
@@ -32,15 +33,7 @@ def scorer_cases():
             a = make_scorer_inputs(layout, B, N, H, ctx, page_size=P, device=dev)
             ops.paged_mqa_logits(layout=layout, backend=on("paged_mqa_logits"), **a)
         # hostile: page ids outside [0, NB), lengths past max_seq_len, past the table, negative
-        a = make_scorer_inputs(layout, 5, 2, 32, 640, device=dev, seed=5)
-        NB = a["kv_cache"].shape[0]
-        bt = a["block_tables"]
-        bt[0, 1] = -3
-        bt[1, 2] = NB
-        bt[2, 0] = NB + 1000
-        a["block_tables"] = bt[:, :8].contiguous()
-        a["context_lens"] = torch.tensor([[640, 300], [5000, 100], [-4, 64], [600, 0], [513, 512]],
-                                         dtype=torch.int32, device=dev)
+        a = scorer_hostile_tables(make_scorer_inputs(layout, 5, 2, 32, 640, device=dev, seed=5))
         for clean in (True, False):
             ops.paged_mqa_logits(layout=layout, backend=on("paged_mqa_logits"), clean_logits=clean, **a)
 

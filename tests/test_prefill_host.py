@@ -26,8 +26,8 @@ from host_cpp import build, cxx
 from test_prefill import RANGES, check_close, expected_layout, make, oracle
 
 CPP = REPO / "tests" / "cpp"
-SOURCES = [CPP / "prefill_host.cpp", REPO / "kernels" / "cuda" / "prefill_body.cuh", REPO / "kernels" / "cuda" / "prefill.h",
-           CPP / "fibers.h"]
+SOURCES = [CPP / "prefill_host.cpp", *(REPO / "kernels" / "cuda" / f for f in ("prefill_body.cuh", "prefill.h", "quad.cuh")),
+           CPP / "sm90_emu.h", CPP / "fibers.h"]
 UNTOUCHED = 12345.0
 
 

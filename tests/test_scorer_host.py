@@ -18,15 +18,15 @@ import torch
 from dsaquant.backends import scorer as abi
 from dsaquant.codes import ErrFlag
 from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
-from dsaquant.testing import run_scorer, scorer_magnitude
+from dsaquant.testing import run_scorer, scorer_hostile_tables, scorer_magnitude, scorer_nan_inputs
 from dsaquant.triton.scorer import make_scorer_inputs
 
 from conftest import REPO
 from host_cpp import build, cxx
 
 CPP = REPO / "tests" / "cpp"
-SOURCES = [CPP / "scorer_host.cpp", REPO / "kernels" / "cuda" / "scorer_body.cuh", REPO / "kernels" / "cuda" / "scorer.h",
-           CPP / "fibers.h"]
+SOURCES = [CPP / "scorer_host.cpp", *(REPO / "kernels" / "cuda" / f for f in ("scorer_body.cuh", "scorer.h", "quad.cuh")),
+           CPP / "sm90_emu.h", CPP / "fibers.h"]
 LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 UNTOUCHED = 12345.0
 TOL = 1e-5
@@ -157,14 +157,7 @@ def test_splits_and_block_orders(lib, layout):
 def test_hostile_tables(lib, layout):
     """Page ids outside [0, num_blocks), contexts past max_seq_len, past the table and negative: the reference's
     values and -inf pattern, no copy outside the cache (the emulator checks every one), and the error flag."""
-    a = make(layout, 5, 2, 32, 640, seed=6, ctx_form="2d")
-    NB = a["kv_cache"].shape[0]
-    bt = a["block_tables"]
-    bt[0, 1] = -3
-    bt[1, 2] = NB
-    bt[2, 0] = NB + 1000
-    a["block_tables"] = bt[:, :8].contiguous()   # 8 pages of 64 cover 512 of 640 positions
-    a["context_lens"] = torch.tensor([[640, 300], [5000, 100], [-4, 64], [600, 0], [513, 512]], dtype=torch.int32)
+    a = scorer_hostile_tables(make(layout, 5, 2, 32, 640, seed=6, ctx_form="2d"))
     out, flag = emulate(lib, a, layout, 64, splits=3)
     check(out, a, layout, 64, f"hostile {layout}")
     assert flag & FLAG_PAGE
@@ -172,17 +165,7 @@ def test_hostile_tables(lib, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nan_inputs(lib, layout):
-    a = make(layout, 2, 1, 64, 300, seed=7)
-    kv = a["kv_cache"]
-    page = int(a["block_tables"][0, 1])
-    if layout == "fp8_132":
-        kv[page, 5 * 128 + 3] = 0x7F                    # NaN code at position 64 + 5 of sequence 0
-        a["q"][1, 0, 7, 9] = 0xFF                       # NaN code in a q head of sequence 1
-    elif layout == "packed68":
-        kv[page, 64 * 64 + 4 * 5 + 2] = 255             # NaN scale of block 2 of position 64 + 5
-        a["q_scale"][1, 0, 7, 1] = 255
-    else:
-        a["kv_cache_scale"][page, 0, 1, (5 % 16) * 4 + 5 // 16] = 255
+    a = scorer_nan_inputs(make(layout, 2, 1, 64, 300, seed=7), layout)
     a["context_lens"] = torch.tensor([300, 300], dtype=torch.int32)
     out, _ = emulate(lib, a, layout, 64)
     check(out, a, layout, 64, f"NaN {layout}")

@@ -88,7 +88,7 @@ def log(msg: str) -> None:
 # ---- inputs and cache keys -------------------------------------------------------------------------------
 # NVIDIA-only sources: the decode scorer and the prefill logits are written for sm_90a's wgmma; AMD scores with the
 # Triton kernels.
-NVIDIA_ONLY = {"scorer.cu", "scorer.h", "scorer_body.cuh", "wgmma.cuh", "ptx.cuh", "prefill.cu", "prefill.h", "prefill_body.cuh"}
+NVIDIA_ONLY = {"scorer.cu", "scorer.h", "scorer_body.cuh", "quad.cuh", "sm90_layer.cuh", "wgmma.cuh", "ptx.cuh", "prefill.cu", "prefill.h", "prefill_body.cuh"}
 
 
 def cuda_sources() -> list[str]:

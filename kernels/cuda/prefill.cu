@@ -1,6 +1,6 @@
 // kernels/cuda/prefill.cu: the ragged prefill logits (docs/prefill.md `mqa_logits`, FP8 layout) on sm_90a FP8
 // tensor cores. The block body is prefill_body.cuh (shared with the host emulator of the tests); this file supplies
-// its layer (cp.async copies, the warpgroup MMA of a tile, the 32-lane exchange), the kernels (one per H), the
+// its layer (sm90_layer.cuh: cp.async copies, the warpgroup MMA of a tile, the 32-lane exchange), the kernels (one per H), the
 // launch and the C interface (prefill.h). The kernel body exists in sm_90a code only; elsewhere dsq_mqa_logits
 // returns cudaErrorNotSupported and the Python backend hands the call to the Triton kernel.
 #include <cuda_runtime.h>
@@ -11,33 +11,23 @@
 
 #include "device.h"
 #include "prefill.h"
-#include "ptx.cuh"
-#include "wgmma.cuh"
+#include "sm90_layer.cuh"
 
 namespace dsqpf {
 
 #define PF_FN __device__ __forceinline__
-__device__ __forceinline__ int thread_id() { return static_cast<int>(threadIdx.x); }
-__device__ __forceinline__ void block_sync() { __syncthreads(); }
-__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xFFFFFFFFu, v, m, 32); }
-__device__ __forceinline__ void cp16(void* dst, const void* src) { dsq_ptx::cp_async16(dst, src); }
-__device__ __forceinline__ void cp_commit() { dsq_ptx::cp_async_commit(); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  dsq_ptx::cp_async_wait<N>();
-}
-__device__ __forceinline__ void async_fence() { dsq_ptx::fence_proxy_async(); }
-__device__ __forceinline__ float relu_nan(float x) { return dsq_ptx::relu_nan(x); }
-// acc = K . Q^T: four m64n128k32 e4m3 MMAs (K = 128) on the swizzled tiles, one group.
+using dsq_sm90::async_fence;   // the layer of prefill_body.cuh (sm90_layer.cuh)
+using dsq_sm90::block_sync;
+using dsq_sm90::cp16;
+using dsq_sm90::cp_commit;
+using dsq_sm90::cp_wait;
+using dsq_sm90::relu_nan;
+using dsq_sm90::shfl_xor;
+using dsq_sm90::thread_id;
+// acc = K . Q^T over the tile and the 128 q rows, one group (a kernel body exists in sm_90a code only).
 __device__ __forceinline__ void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const uint64_t dk = dsq_wgmma::desc_sw128(k_tile), dq = dsq_wgmma::desc_sw128(q_rows);
-#pragma unroll
-  for (int r = 0; r < 64; ++r) dsq_wgmma::fence_reg(acc[r]);
-  dsq_wgmma::fence();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) dsq_wgmma::MmaE4M3<128>::run(acc, dk + 2 * ks, dq + 2 * ks, ks > 0 ? 1 : 0);
-  dsq_wgmma::commit();
+  dsq_sm90::mma_ss<128>(acc, k_tile, q_rows);
 #else
   (void)acc;
   (void)k_tile;
@@ -47,9 +37,8 @@ __device__ __forceinline__ void mma_start(float (&acc)[64], const uint8_t* k_til
 template <int N>
 __device__ __forceinline__ void mma_wait(float (&acc)[64]) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  dsq_wgmma::wait<N>();
-#pragma unroll
-  for (int r = 0; r < 64; ++r) dsq_wgmma::fence_reg(acc[r]);
+  dsq_sm90::mma_wait<N>();
+  dsq_sm90::mma_done<128>(acc);
 #else
   (void)acc;
 #endif

@@ -47,6 +47,7 @@
 
 #include "dsaquant/dsaquant.h"
 #include "prefill.h"
+#include "quad.cuh"
 
 namespace dsqpf {
 
@@ -192,12 +193,10 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   const float ninf = dsq::u2f(0xFF800000u);
   const int m0 = warp * 16 + (lane >> 2);   // this thread's accumulator rows (keys): m0 and m0 + 8
   // After the in-thread head sums a thread holds V = 2 NQ partial logits, (query qi, key m0 + 8 e) at 2 qi + e; the
-  // four lanes of a quad (the same keys) sum them by a reduce-scatter (exchange with lane ^ 2, then lane ^ 1), after
-  // which lane (b1, b0) holds the logits b1 V/2 + b0 V/4 + i, i < kSlots (V = 2: both lanes of a pair hold logit
-  // b1, the even one stores it). Each thread's stores, their rows and key offsets are fixed for the block.
+  // four lanes of a quad (the same keys) sum them by a reduce-scatter (quad.cuh), after which slot i of the lane
+  // holds logit quad_value(lane, i). Each thread's stores, their rows and key offsets are fixed for the block.
   constexpr int V = 2 * NQ;
-  constexpr int kSlots = V >= 4 ? V / 4 : 1;
-  const int b1 = (lane >> 1) & 1, b0 = lane & 1;
+  constexpr int kSlots = dsq_quad::kSlots<V>;
   int slot_lo[kSlots], slot_hi[kSlots], slot_base[kSlots], slot_key[kSlots];
   bool slot_live[kSlots], slot_mine[kSlots];
   int64_t slot_row[kSlots];
@@ -210,11 +209,11 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     }
   DSQ_UNROLL
   for (int i = 0; i < kSlots; ++i) {
-    const int c = V >= 4 ? b1 * (V / 2) + b0 * (V / 4) + i : b1;
+    const int c = dsq_quad::quad_value<V>(lane, i);
     const int qi = c >> 1;
     slot_key[i] = m0 + 8 * (c & 1);
     slot_row[i] = i0 + qi;
-    slot_live[i] = i0 + qi < a.S && (V >= 4 || b0 == 0);
+    slot_live[i] = i0 + qi < a.S && dsq_quad::quad_stores<V>(lane);
     slot_lo[i] = slot_live[i] ? a.lo[i0 + qi] : 0;
     slot_hi[i] = slot_live[i] ? a.hi[i0 + qi] : 0;
     slot_base[i] = slot_live[i] && a.compressed ? a.base[i0 + qi] : 0;
@@ -234,23 +233,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
         v[2 * qi + 1] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), v[2 * qi + 1]);
       }
     }
-    constexpr int V1 = V / 2;
-    float h[V1];
-    DSQ_UNROLL
-    for (int e = 0; e < V1; ++e) {
-      const float give = b1 ? v[e] : v[e + V1], keep = b1 ? v[e + V1] : v[e];
-      h[e] = keep + shfl_xor(give, 2);
-    }
     float g[kSlots];
-    if constexpr (V1 >= 2) {
-      DSQ_UNROLL
-      for (int e = 0; e < kSlots; ++e) {
-        const float give = b0 ? h[e] : h[e + kSlots], keep = b0 ? h[e + kSlots] : h[e];
-        g[e] = keep + shfl_xor(give, 1);
-      }
-    } else {
-      g[0] = h[0] + shfl_xor(h[0], 1);
-    }
+    dsq_quad::quad_reduce_scatter<V>(v, lane, g, [](float x, int m) { return shfl_xor(x, m); });
     const int t0 = t * kTile;
     if (!a.compressed && t0 >= full_lo && t0 + kTile <= full_hi) {   // every key in every live row's range
       DSQ_UNROLL

@@ -1,6 +1,6 @@
 // scorer.cu: paged MQA logits (SPEC §7.4) on sm_90a FP8 tensor cores, for the fp8_132, packed68 and
 // aiter_fp4 layouts (SPEC §6). The block body is scorer_body.cuh (shared with the host emulator of the tests);
-// this file supplies its layer (cp.async, the sm_90a wgmma of wgmma.cuh, warp votes and shuffles), the kernel,
+// this file supplies its layer (sm90_layer.cuh, a warp vote, byte permutes, the error flag's atomic), the kernel,
 // the work split and the C interface (scorer.h).
 //
 // Accuracy: the products are exact, the tensor cores' fp32 accumulation of the 128 products is not
@@ -13,65 +13,16 @@
 #include <mutex>
 
 #include "device.h"
-#include "ptx.cuh"
 #include "scorer.h"
-#include "wgmma.cuh"
+#include "sm90_layer.cuh"
 
 namespace dsqsc {
 
 #define SC_FN __device__ __forceinline__
-__device__ __forceinline__ int thread_id() { return static_cast<int>(threadIdx.x); }
-__device__ __forceinline__ void block_sync() { __syncthreads(); }
-__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xFFFFFFFFu, v, m); }
+using namespace dsq_sm90;   // thread_id, block_sync, shfl_xor, cp16 .. cp_wait, async_fence, relu_nan, the MMAs
 __device__ __forceinline__ bool any_sync(bool p) { return __any_sync(0xFFFFFFFFu, p) != 0; }
 __device__ __forceinline__ void flag_or(int32_t* p, int v) { atomicOr(p, v); }
-__device__ __forceinline__ void cp16(void* dst, const void* src) { dsq_ptx::cp_async16(dst, src); }
-__device__ __forceinline__ void cp_commit() { dsq_ptx::cp_async_commit(); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  dsq_ptx::cp_async_wait<N>();
-}
-__device__ __forceinline__ void async_fence() { dsq_ptx::fence_proxy_async(); }
-__device__ __forceinline__ float relu_nan(float x) { return dsq_ptx::relu_nan(x); }
 __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
-// The four 32-wide steps of a tile's product, started as one group (wgmma.cuh).
-template <int NT>
-__device__ __forceinline__ void mma_ss(float (&acc)[NT / 2], const uint8_t* k_tile, const uint8_t* q_rows) {
-  using Mma = dsq_wgmma::MmaE4M3<NT>;
-#pragma unroll
-  for (int r = 0; r < NT / 2; ++r) dsq_wgmma::fence_reg(acc[r]);
-  dsq_wgmma::fence();
-  const uint64_t dk = dsq_wgmma::desc_sw128(k_tile), dq = dsq_wgmma::desc_sw128(q_rows);
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) Mma::run(acc, dk + 2 * ks, dq + 2 * ks, ks > 0 ? 1 : 0);
-  dsq_wgmma::commit();
-}
-template <int NT>
-__device__ __forceinline__ void mma_rs(float (&acc)[NT / 2], const uint32_t (&a)[4][4], const uint8_t* q_rows) {
-  using Mma = dsq_wgmma::MmaE4M3<NT>;
-#pragma unroll
-  for (int r = 0; r < NT / 2; ++r) dsq_wgmma::fence_reg(acc[r]);
-  dsq_wgmma::fence();
-  const uint64_t dq = dsq_wgmma::desc_sw128(q_rows);
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) Mma::run_rs(acc, a[ks], dq + 2 * ks, ks > 0 ? 1 : 0);
-  dsq_wgmma::commit();
-}
-template <int N>
-__device__ __forceinline__ void mma_wait() {
-  dsq_wgmma::wait<N>();
-}
-template <int NT>
-__device__ __forceinline__ void mma_done(float (&acc)[NT / 2]) {
-#pragma unroll
-  for (int r = 0; r < NT / 2; ++r) dsq_wgmma::fence_reg(acc[r]);
-}
-__device__ __forceinline__ void frag_done(uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int s = 0; s < 4; ++s)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) dsq_wgmma::fence_reg_u(a[s][r]);
-}
 
 }  // namespace dsqsc
 

@@ -59,6 +59,7 @@
 #include "dsaquant/codes.h"
 #include "dsaquant/fp8.h"
 #include "dsaquant/layouts.h"
+#include "quad.cuh"
 #include "scorer.h"
 
 namespace dsqsc {
@@ -516,13 +517,11 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   };
 
   // The logits a thread stores. After the in-thread head sums a thread holds V = 2 NQ partial logits, (query qi,
-  // row m0 + 8 e) at 2 qi + e; the four lanes of a quad (the same rows) sum them by a reduce-scatter (exchange with
-  // lane ^ 2, then lane ^ 1), after which lane (b1, b0) holds the logits b1 V/2 + b0 V/4 + i, i < kSlots (V = 2:
-  // both lanes of a pair hold logit b1, the even one stores it). Each slot's query, row and context are fixed for
-  // the block.
+  // row m0 + 8 e) at 2 qi + e; the four lanes of a quad (the same rows) sum them by a reduce-scatter (quad.cuh),
+  // after which slot i of the lane holds logit quad_value(lane, i). Each slot's query, row and context are fixed
+  // for the block.
   constexpr int V = 2 * NQ;
-  constexpr int kSlots = V >= 4 ? V / 4 : 1;
-  const int b1 = (lane >> 1) & 1, b0 = lane & 1;
+  constexpr int kSlots = dsq_quad::kSlots<V>;
   int slot_key[kSlots], slot_len[kSlots];
   bool slot_live[kSlots], slot_hi[kSlots];
   int64_t slot_row[kSlots];
@@ -532,7 +531,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     if (valid[qi]) full_end = imin(full_end, len[qi]);
   DSQ_UNROLL
   for (int i = 0; i < kSlots; ++i) {
-    const int c = V >= 4 ? b1 * (V / 2) + b0 * (V / 4) + i : b1;
+    const int c = dsq_quad::quad_value<V>(lane, i);
     const int qi = c >> 1;
     slot_hi[i] = (c & 1) != 0;
     slot_key[i] = m0 + 8 * (c & 1);
@@ -542,7 +541,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     for (int q = 0; q < NQ; ++q)   // selects: qi depends on the lane (no indexing into len, valid)
       if (q == qi) {
         slot_len[i] = len[q];
-        slot_live[i] = valid[q] && (V >= 4 || b0 == 0);
+        slot_live[i] = valid[q] && dsq_quad::quad_stores<V>(lane);
       }
     slot_row[i] = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * a.ld;
   }
@@ -592,23 +591,8 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       v[2 * qi] = s0[2 * qi] + s0[2 * qi + 1];
       v[2 * qi + 1] = s1[2 * qi] + s1[2 * qi + 1];
     }
-    constexpr int V1 = V / 2;
-    float h[V1];
-    DSQ_UNROLL
-    for (int e = 0; e < V1; ++e) {
-      const float give = b1 ? v[e] : v[e + V1], keep = b1 ? v[e + V1] : v[e];
-      h[e] = keep + shfl_xor(give, 2);
-    }
     float g[kSlots];
-    if constexpr (V1 >= 2) {
-      DSQ_UNROLL
-      for (int e = 0; e < kSlots; ++e) {
-        const float give = b0 ? h[e] : h[e + kSlots], keep = b0 ? h[e + kSlots] : h[e];
-        g[e] = keep + shfl_xor(give, 1);
-      }
-    } else {
-      g[0] = h[0] + shfl_xor(h[0], 1);
-    }
+    dsq_quad::quad_reduce_scatter<V>(v, lane, g, [](float x, int m) { return shfl_xor(x, m); });
     const int base = t * kTile;
     if (pages_ok && base + kTile <= full_end) {   // every row of the tile inside every query's context
       DSQ_UNROLL

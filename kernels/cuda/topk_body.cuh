@@ -316,6 +316,26 @@ TOPK_FN unsigned classify_tile(const void* row, Pos pos, int64_t end, int shift,
   return flags;
 }
 
+// From the digit histogram sh.hist (kCopies copies of kBins bins, filled): the digit where the count of larger
+// digits stays below `want` and with the digit's own reaches it, into sh.digit, the count above it into sh.above and
+// its own into sh.in_bucket (unset when the histogram holds fewer than `want`), the histogram's total into sh.total.
+// Every thread calls it; the results are valid on return.
+TOPK_FN void pick_digit(int want, Shared& sh) {
+  const int tid = thread_id();
+  // thread t < 256 holds bin 255 - t: the inclusive scan is the count with a digit >= that bin
+  int h = 0;
+  if (tid < kBins)
+    for (int c = 0; c < kCopies; ++c) h += sh.hist[c][kBins - 1 - tid];
+  const int ge = scan256(h, sh.scan);
+  if (tid < kBins && ge >= want && ge - h < want) {
+    sh.digit = kBins - 1 - tid;
+    sh.above = ge - h;
+    sh.in_bucket = h;
+  }
+  if (tid == kBins - 1) sh.total = ge;
+  block_sync();
+}
+
 // The one-block selection of the keys at [start, start + n) of `row`: the min(k, candidates) largest words,
 // unordered, into sh.sort[0, taken); returns taken.
 template <int DT>
@@ -338,18 +358,7 @@ TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_
       if (match) shared_add(&sh.hist[(tid >> 5) & (kCopies - 1)][(key >> shift) & 0xFFu], 1);
     }
     block_sync();
-    // thread t < 256 holds bin 255 - t: the inclusive scan is the count of keys with a digit >= that bin
-    int h = 0;
-    if (tid < kBins)
-      for (int c = 0; c < kCopies; ++c) h += sh.hist[c][kBins - 1 - tid];
-    const int ge = scan256(h, sh.scan);
-    if (tid < kBins && ge >= want && ge - h < want) {
-      sh.digit = kBins - 1 - tid;
-      sh.above = ge - h;
-      sh.in_bucket = h;
-    }
-    if (tid == kBins - 1) sh.total = ge;
-    block_sync();
+    pick_digit(want, sh);
     const int total = sh.total;
     if (p == 0 && total <= k_arg) break;         // at most k candidates: take them all
     prefix |= static_cast<uint32_t>(sh.digit) << shift;
@@ -508,17 +517,7 @@ TOPK_FN void select_words(unsigned long long* buf, int32_t n, int32_t want, Shar
         shared_add(&sh.hist[(tid >> 5) & (kCopies - 1)][static_cast<int>((w >> shift) & mask)], 1);
     }
     block_sync();
-    // thread t < 256 holds bin 255 - t: the inclusive scan is the count of bucket words with a digit >= that bin
-    int h = 0;
-    if (tid < kBins)
-      for (int c = 0; c < kCopies; ++c) h += sh.hist[c][kBins - 1 - tid];
-    const int ge = scan256(h, sh.scan);
-    if (tid < kBins && ge >= want && ge - h < want) {
-      sh.digit = kBins - 1 - tid;
-      sh.above = ge - h;
-      sh.in_bucket = h;
-    }
-    block_sync();
+    pick_digit(want, sh);
     prefix |= static_cast<unsigned long long>(sh.digit) << shift;
     want -= sh.above;
     const bool whole_bucket = want == sh.in_bucket;

@@ -363,6 +363,39 @@ def scorer_magnitude(args):
     return run_scorer(ref_scorer, qa, kva, w.abs(), ctx, tables, L, layout, qs, ks, abs(ws), pre, flavour, P)
 
 
+def scorer_nan_inputs(a: dict, layout: str) -> dict:
+    """make_scorer_inputs' `a` (B >= 2, N = 1, H = 64, pages of 64, contexts >= 70) with NaN inputs, in place: in
+    sequence 0 a NaN at position 64 + 5 (fp8_132: a NaN code; FP4: a NaN block scale), in sequence 1 a q head with a
+    NaN code (fp8_132) or a NaN block scale (FP4). Returns a."""
+    kv = a["kv_cache"]
+    page = int(a["block_tables"][0, 1])
+    if layout == "fp8_132":
+        kv[page, 5 * 128 + 3] = 0x7F
+        a["q"][1, 0, 7, 9] = 0xFF
+    elif layout == "packed68":
+        kv[page, 64 * 64 + 4 * 5 + 2] = 255
+        a["q_scale"][1, 0, 7, 1] = 255
+    else:
+        a["kv_cache_scale"][page, 0, 1, (5 % 16) * 4 + 5 // 16] = 255
+        a["q_scale"][1, 0, 2, 7, 0] = 255
+    return a
+
+
+def scorer_hostile_tables(a: dict) -> dict:
+    """make_scorer_inputs' `a` (B = 5, N = 2, context 640, pages of 64) made hostile, in place: page ids outside
+    [0, num_blocks), a table of 8 pages (512 positions) and context lengths past max_seq_len, past the table, negative
+    and zero ([B, N] int32). Returns a."""
+    NB = a["kv_cache"].shape[0]
+    bt = a["block_tables"]
+    bt[0, 1] = -3
+    bt[1, 2] = NB
+    bt[2, 0] = NB + 1000
+    a["block_tables"] = bt[:, :8].contiguous()
+    a["context_lens"] = torch.tensor([[640, 300], [5000, 100], [-4, 64], [600, 0], [513, 512]], dtype=torch.int32,
+                                     device=bt.device)
+    return a
+
+
 def triton_aot_missing(kind: str) -> str:
     """'' if this Triton can compile ahead of time for `kind` ("cuda" or "hip"), else why not (a skip reason)."""
     import triton

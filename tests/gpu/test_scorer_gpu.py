@@ -13,7 +13,7 @@ import torch
 
 from dsaquant import dispatch, errors, ops
 from dsaquant.reference.scorer import paged_mqa_logits as ref_scorer
-from dsaquant.testing import run_scorer, scorer_magnitude
+from dsaquant.testing import run_scorer, scorer_hostile_tables, scorer_magnitude, scorer_nan_inputs
 from dsaquant.triton.scorer import make_scorer_inputs
 
 
@@ -105,15 +105,7 @@ def test_scorer_clean_logits_false_leaves_the_rest(backend, layout):
 def test_scorer_hostile_tables(backend, layout):
     """Page ids outside [0, num_blocks), contexts past max_seq_len, past the table and negative: the same
     -inf pattern and values as the reference, nothing read out of bounds, and the error flag raised."""
-    a = make(layout, 5, 2, 32, 640, seed=5, ctx_form="2d")
-    NB = a["kv_cache"].shape[0]
-    bt = a["block_tables"]
-    bt[0, 1] = -3
-    bt[1, 2] = NB
-    bt[2, 0] = NB + 1000
-    a["block_tables"] = bt[:, :8].contiguous()   # 8 pages of 64 cover 512 of 640 positions
-    a["context_lens"] = torch.tensor([[640, 300], [5000, 100], [-4, 64], [600, 0], [513, 512]], dtype=torch.int32,
-                                     device="cuda")
+    a = scorer_hostile_tables(make(layout, 5, 2, 32, 640, seed=5, ctx_form="2d"))
     errors.check_errors()
     ref = run_scorer(ref_scorer, *ref_args(a, layout, 64))
     with pytest.raises(errors.DsaquantError):
@@ -128,18 +120,7 @@ def test_scorer_hostile_tables(backend, layout):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_scorer_nan_inputs(backend, layout):
-    a = make(layout, 2, 1, 64, 300, seed=7)
-    kv = a["kv_cache"]
-    page = int(a["block_tables"][0, 1])
-    if layout == "fp8_132":
-        kv[page, 5 * 128 + 3] = 0x7F                    # NaN code at position 64 + 5 of sequence 0
-        a["q"][1, 0, 7, 9] = 0xFF                       # NaN code in a q head of sequence 1
-    elif layout == "packed68":
-        kv[page, 64 * 64 + 4 * 5 + 2] = 255             # NaN scale of block 2 of position 64 + 5
-        a["q_scale"][1, 0, 7, 1] = 255
-    else:
-        a["kv_cache_scale"][page, 0, 1, (5 % 16) * 4 + 5 // 16] = 255
-        a["q_scale"][1, 0, 2, 7, 0] = 255
+    a = scorer_nan_inputs(make(layout, 2, 1, 64, 300, seed=7), layout)
     args = ref_args(a, layout, 64)
     ref = run_scorer(ref_scorer, *args)
     assert bool(torch.isnan(ref).any())
