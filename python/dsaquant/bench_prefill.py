@@ -1,10 +1,11 @@
 """Prefill benchmark (docs/prefill.md): mqa_logits FP8 / FP4 / exact FP4 at S = 2048, SKV = 8192, H = 64 (full and
-causal ranges) in TFLOP/s, and mqa_topk at S = 8192, SKV = 65536 (time and peak memory).
+causal ranges) in TFLOP/s, and mqa_topk at S = 8192, SKV = 65536 (time and peak memory, and its time over that of
+mqa_logits alone at the same shape, full [S, SKV] fp32 output).
 
 `bench_prefill()` returns rows (dicts) and `format_rows(rows)` a Markdown table; bench.py's `run` can add the
 rows with one line (`rows += bench_prefill(log)`). Logits timings are medians of CUDA-graph replays
 (bench.time_graph: device time only); mqa_topk is timed call by call with CUDA events (its host loop over
-chunks is part of its cost). TFLOP/s counts 2 * 128 * H multiply-adds per (row, valid key) pair.
+chunks is part of its cost), and so are the logits it is compared with. TFLOP/s counts 2 * 128 * H multiply-adds per (row, valid key) pair.
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def _pairs(a) -> int:
 
 def bench_prefill(log=print, backends=None, S: int = 2048, SKV: int = 8192, H: int = 64,
                   topk_shape=(8192, 65536, 2048)):
-    """Rows: dict(op, S, SKV, H, backend, us, tflops[, peak_gb]) for each case and backend (default: every
-    available GPU backend implementing the op); a failing case is logged and skipped."""
+    """Rows: dict(op, S, SKV, H, backend, us, tflops[, peak_gb, x_logits]) for each case and backend (default: every
+    available GPU backend implementing the op); a failing case is logged and skipped. x_logits: mqa_topk's time over
+    mqa_logits' at its shape (None when the logits alone could not be timed)."""
     from . import dispatch
     rows = []
     for backend in backends or [b for b in ("triton", "cuda", "hip") if dispatch.available(b)[0]]:
@@ -88,22 +90,33 @@ def _bench_backend(log, backend, S, SKV, H, topk_shape, topk):
             sec = _median_event_seconds(lambda i: prefill.mqa_topk(topk=K, layout=layout, backend=backend, **a), 3,
                                         warmup=1)
             flops = 2 * 128 * H * _pairs(a)
+            ratio = None
+            try:   # the logits alone at the same shape, into one [S, SKV] fp32 output
+                out = torch.empty((TS, TSKV), dtype=torch.float32, device="cuda")
+                alone = _median_event_seconds(
+                    lambda i: prefill.mqa_logits(layout=layout, backend=backend, out=out, **a), 3, warmup=1)
+                ratio = sec / alone
+                del out
+            except Exception as e:
+                log(f"{label}: the logits alone at this shape failed: {type(e).__name__}: {e}")
             rows.append(dict(op=label, S=TS, SKV=TSKV, H=H, backend=backend, us=sec * 1e6, tflops=flops / sec / 1e12,
-                             peak_gb=peak / 1e9))
+                             peak_gb=peak / 1e9, x_logits=ratio))
             log(f"{label}: {sec * 1e3:.2f} ms, {flops / sec / 1e12:.1f} TFLOP/s, peak {peak / 1e9:.2f} GB above the "
-                f"inputs (the [S, SKV] fp32 logits alone: {TS * TSKV * 4 / 1e9:.2f} GB)")
+                f"inputs (the [S, SKV] fp32 logits alone: {TS * TSKV * 4 / 1e9:.2f} GB)"
+                + (f", {ratio:.2f} x the logits alone" if ratio else ""))
         except Exception as e:
             log(f"{label}: failed: {type(e).__name__}: {e}")
     return rows
 
 
 def format_rows(rows) -> str:
-    out = ["| prefill op | S | SKV | H | backend | median µs | TFLOP/s | peak GB |",
-           "|---|---:|---:|---:|---|---:|---:|---:|"]
+    out = ["| prefill op | S | SKV | H | backend | median µs | TFLOP/s | peak GB | x logits alone |",
+           "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         peak = f"{r['peak_gb']:.2f}" if "peak_gb" in r else "-"
+        ratio = f"{r['x_logits']:.2f}" if r.get("x_logits") else "-"
         out.append(f"| {r['op']} | {r['S']} | {r['SKV']} | {r['H']} | {r['backend']} | {r['us']:.1f} | "
-                   f"{r['tflops']:.1f} | {peak} |")
+                   f"{r['tflops']:.1f} | {peak} | {ratio} |")
     return "\n".join(out)
 
 
