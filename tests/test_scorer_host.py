@@ -33,12 +33,12 @@ TOL = 1e-5
 FLAG_PAGE = int(ErrFlag.page_out_of_range)
 
 
-@pytest.fixture(scope="module")
-def lib():
-    """The emulator of the kernel body."""
+def load(flags=()):
+    """The emulator of the kernel body, built with `flags` (the kernel's tuning macros)."""
     if cxx() is None:
         pytest.skip("no C++ compiler")
-    so = build(SOURCES, "scorer_host", "the scorer emulator", (), includes=(str(CPP),))
+    so = build(SOURCES, "scorer_host" + "".join(f.replace("-D", "_").replace("=", "") for f in flags),
+               "the scorer emulator", tuple(flags), includes=(str(CPP),))
     h = ctypes.CDLL(str(so))
     h.dsq_paged_mqa_logits.argtypes = [ctypes.POINTER(abi.PagedLogitsArgs), ctypes.c_void_p]
     h.dsq_paged_mqa_logits.restype = ctypes.c_int
@@ -46,6 +46,12 @@ def lib():
     h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
     h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
     return h
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The emulator of the kernel body as built."""
+    return load()
 
 
 def make(layout, B, N, H, ctx, P=64, seed=0, ctx_form="1d", preshuffle=False, w_dtype=torch.float32):
@@ -191,3 +197,15 @@ def test_aiter_pages_across_tiles_are_left_to_triton(lib):
     st = abi.make_args(*ref_args(a, "aiter_fp4", 96)[:11], 96, True, out, torch.zeros(1, dtype=torch.int32), 0)
     assert lib.dsq_paged_mqa_logits(ctypes.byref(st), None) == abi.ERR_NOT_SUPPORTED
     assert bool((out == UNTOUCHED).all())
+
+
+@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_SPLIT_FP8=1",), ("-DDSQ_SCORER_DUAL_MAX_ROWS=128",)])
+def test_tuning_variants(flags):
+    """The accumulator arrangements the tuning macros select for tiles of 128 q rows (fp8_132 split in halves; two
+    sets of 128 rows) give the same logits."""
+    lib = load(flags)
+    for layout in LAYOUTS:
+        for (H, N) in ((64, 2), (128, 1), (16, 7)):
+            a = make(layout, 2, N, H, 200, seed=H + N, ctx_form="2d" if N > 1 else "1d")
+            out, _ = emulate(lib, a, layout, 64)
+            check(out, a, layout, 64, f"{flags} {layout} H={H} N={N}")

@@ -34,17 +34,23 @@ using dsqsc::kThreads;
 using dsqsc::kTile;
 using dsqsc::smem_plan;
 
-// Blocks per SM the register allocation must allow for tiles of NT <= 64 query rows (1: no limit). FP4 tiles
-// hold two A-fragment sets besides the accumulators: bounded to 128 registers they fit four blocks an SM, which
-// measured faster than three on the small-batch shapes (fp8_132 measured faster unbounded, 111 registers).
+// Blocks per SM the register allocation must allow (1: no limit). FP4 tiles of NT <= 64 query rows hold two
+// A-fragment sets besides the accumulators: bounded to 128 registers they fit four blocks an SM, which measured
+// faster than three on the small-batch shapes (fp8_132 measured faster unbounded, 111 registers). FP4 tiles of
+// 128 rows (two 64-row accumulator sets and one fragment set) are bounded to three blocks an SM (168 registers,
+// no spills), what the one-set kernel reached unbounded; fp8_132 tiles of 128 rows are not bounded.
 #ifndef DSQ_SCORER_MIN_CTAS_FP8
 #define DSQ_SCORER_MIN_CTAS_FP8 1
 #endif
 #ifndef DSQ_SCORER_MIN_CTAS_FP4
 #define DSQ_SCORER_MIN_CTAS_FP4 4
 #endif
+#ifndef DSQ_SCORER_MIN_CTAS_FP4_WIDE
+#define DSQ_SCORER_MIN_CTAS_FP4_WIDE 3
+#endif
 template <int NT, bool FP4>
-constexpr int kMinCtas = NT > 64 ? 1 : FP4 ? DSQ_SCORER_MIN_CTAS_FP4 : DSQ_SCORER_MIN_CTAS_FP8;
+constexpr int kMinCtas = NT > 64 ? (FP4 ? DSQ_SCORER_MIN_CTAS_FP4_WIDE : 1)
+                                 : FP4 ? DSQ_SCORER_MIN_CTAS_FP4 : DSQ_SCORER_MIN_CTAS_FP8;
 
 template <int H, int NQ, bool FP4>
 __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, FP4>) paged_logits_kernel(const DsqPagedLogitsArgs a, int tiles_per_cta,

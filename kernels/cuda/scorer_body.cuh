@@ -10,10 +10,10 @@
 //   * asynchronous copies bring a pair's keys into shared memory (kAhead pairs ahead of the one computed), fp8
 //     rows in the 128-byte swizzle that the matrix unit reads; positions past the context or whose page is out of
 //     range are zero-filled, never read;
-//   * both tiles' products (K = 128) are started into two accumulator sets (NT <= 64), and tile 2p's epilogue runs
-//     while tile 2p + 1's product does: relu (NaN kept) times the head weight, summed over the heads of each
-//     query (in the thread, then across the four lanes of a row), times the row scale and weight_scale, stored;
-//     -inf past the context;
+//   * the products (K = 128) go into two accumulator sets, so that one set's product runs while the other's
+//     epilogue does: the two tiles of a pair (NT <= 64), or the two halves of the q rows of a tile (NT = 128). The
+//     epilogue: relu (NaN kept) times the head weight, summed over the heads of each query (in the thread, then
+//     across the four lanes of a row), times the row scale and weight_scale, stored; -inf past the context;
 //   * FP4 layouts feed the product's A operand from registers: each thread expands the packed E2M1 codes of its
 //     own two rows to e4m3 (a byte-permute table lookup; every E2M1 value is exact in e4m3), with a row's four
 //     UE8M0 block exponents folded into the values relative to the row's largest (value * 2^(6 - (emax
@@ -77,6 +77,11 @@ static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even numbe
 // (dev/cuda_variants.sh).
 #ifndef DSQ_SCORER_DUAL_MAX_ROWS
 #define DSQ_SCORER_DUAL_MAX_ROWS 64
+#endif
+// fp8_132 tiles of 128 q rows split in two halves (1) or one set (0): the split overlaps a half's product with the
+// other's head sums but reads the key tile twice from shared memory; a variant to time (FP4 tiles always split).
+#ifndef DSQ_SCORER_SPLIT_FP8
+#define DSQ_SCORER_SPLIT_FP8 0
 #endif
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
@@ -217,7 +222,6 @@ template <int H, int NQ, bool FP4>
 SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group, int64_t b, int tiles_per_block,
                               int n_pages, int p_shift, uint8_t* smem) {
   constexpr int NT = H * NQ;
-  constexpr int kRegs = NT / 2;   // accumulators a thread holds
   const SmemPlan plan = smem_plan(NT, FP4, n_pages);
   uint8_t* sq = smem + plan.q;
   float* sw = reinterpret_cast<float*>(smem + plan.w);
@@ -466,24 +470,30 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     wr[2 * c + 1] = sw[8 * c + 2 * (lane & 3) + 1];
   }
 
-  // Two accumulator sets: tile i + 1's product runs while tile i's epilogue does. FP4 tiles feed the product
-  // from registers (their A fragments, two sets as well: the instruction reads them until it completes).
-  // Wide tiles (NT = 128: 64 accumulator registers) keep one set by default: two would halve the resident blocks
-  // (DSQ_SCORER_DUAL_MAX_ROWS).
+  // Two accumulator sets of NS q rows each:
+  //   * dual (NT <= DSQ_SCORER_DUAL_MAX_ROWS): a set per tile of a pair, tile 2p + 1's product running while tile
+  //     2p's epilogue does (FP4: two sets of A fragments as well, read by the instruction until it completes);
+  //   * split (NT = 128: 64 accumulator registers; FP4, or fp8_132 with DSQ_SCORER_SPLIT_FP8): a set per half of the
+  //     q rows (64 each) of one tile, the second half's product running while the first half's head sums do (FP4
+  //     builds the tile's A fragments once for both halves; fp8_132 reads the key tile twice);
+  //   * single (NT = 128, fp8_132 by default): one set of all 128 rows, the tiles one after the other.
+  // Two sets of 128 rows would halve the resident blocks (DSQ_SCORER_DUAL_MAX_ROWS = 128 is a variant to time).
   constexpr bool kDual = NT <= DSQ_SCORER_DUAL_MAX_ROWS;
-  float acc[2][kRegs];
+  constexpr bool kSplit = !kDual && NT == 128 && (FP4 || DSQ_SCORER_SPLIT_FP8);
+  constexpr int NS = kSplit ? 64 : NT;
+  float acc[2][NS / 2];
   uint32_t frag[2][FP4 ? 4 : 1][4];
   float rscale[2][2];   // the row scales of rows m0 and m0 + 8 (fp32 scales, or the FP4 fold scales)
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
 
-  // Tile i (its stage landed and visible): read its row scales (FP4: build its A fragments), start its
-  // product into acc[PB].
-  auto start = [&](auto par, int i) {
+  // Tile i (its stage landed and visible): its row scales into rscale[PB] (FP4: its A fragments into frag[PB]).
+  auto prepare = [&](auto par, int i) {
     constexpr int PB = decltype(par)::value;
     const int stage = i % kStages;
     if constexpr (!FP4) {
       rscale[PB][0] = sscale[stage * kTile + m0];
       rscale[PB][1] = sscale[stage * kTile + m0 + 8];
-      mma_ss<NT>(acc[PB], sk + stage * (kTile * 128), sq);
     } else {
       const uint8_t* raw = sraw + stage * (kTile * 64);
       const uint8_t* ex = sexp + stage * 512;
@@ -512,8 +522,15 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
           frag[PB][j][2 + hr] = x.y;    // k 16 + 4*tq + 0..3: elements 8*tq + 4..7 (q rows are permuted alike)
         }
       }
-      mma_rs<NT>(acc[PB], frag[PB], sq);
     }
+  };
+  // Starts acc[PA] = tile i's keys times q rows r0 .. r0 + NS - 1 (FP4: the keys from frag[PB]).
+  auto product = [&](auto pa, auto pb, int i, int r0) {
+    constexpr int PA = decltype(pa)::value;
+    if constexpr (!FP4)
+      mma_ss<NS>(acc[PA], sk + (i % kStages) * (kTile * 128), sq + r0 * 128);
+    else
+      mma_rs<NS>(acc[PA], frag[decltype(pb)::value], sq + r0 * 128);
   };
 
   // The logits a thread stores. After the in-thread head sums a thread holds V = 2 NQ partial logits, (query qi,
@@ -553,47 +570,61 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       static_cast<float*>(a.logits)[at] = v;
   };
 
-  // Tile i's epilogue from acc[PB]: rows m0, m0 + 8; columns 8c + 2(lane%4) + j.
-  // relu(acc * s) = s * relu(acc) for a row scale s >= 0 (or NaN): the scale is applied once per row
-  // after the head sum. A warp with a negative fp8 scale (never written by a writer) scales first.
-  auto epilogue = [&](auto par, int i) {
-    constexpr int PB = decltype(par)::value;
-    const int t = t0 + i;
-    const float sk0 = rscale[PB][0], sk1 = rscale[PB][1];
-    float s0[2 * NQ], s1[2 * NQ];   // two partial sums per query and row: shorter FMA chains
-    auto head_sums = [&](auto scaled) {
+  // The epilogue of a tile: relu, times the head weight, summed over the heads of each query (in the thread: two
+  // partial sums per query and row, shorter FMA chains; then across the quad), times the row scale and
+  // weight_scale, stored. relu(acc * s) = s * relu(acc) for a row scale s >= 0 (or NaN): the scale is applied once
+  // per row after the head sum; a warp with a negative fp8 scale (never written by a writer) scales first.
+  struct Sums {
+    float s0[2 * NQ], s1[2 * NQ];   // rows m0 and m0 + 8: query qi at 2 qi and 2 qi + 1
+    float sk0, sk1;
+    bool scaled;
+  };
+  auto sums_begin = [&](auto pb) {
+    constexpr int PB = decltype(pb)::value;
+    Sums z;
+    DSQ_UNROLL
+    for (int k = 0; k < 2 * NQ; ++k) z.s0[k] = z.s1[k] = 0.f;
+    z.sk0 = rscale[PB][0];
+    z.sk1 = rscale[PB][1];
+    z.scaled = !FP4 && any_sync(z.sk0 < 0.f || z.sk1 < 0.f);
+    return z;
+  };
+  // Adds the head sums of acc[PA], the set of q rows r0 .. r0 + NS - 1 (R0 = r0).
+  auto add_sums = [&](Sums& z, auto pa, auto r0c) {
+    constexpr int PA = decltype(pa)::value, C0 = decltype(r0c)::value / 8;
+    auto run = [&](auto scaled) {
       DSQ_UNROLL
-      for (int k = 0; k < 2 * NQ; ++k) s0[k] = s1[k] = 0.f;
-      DSQ_UNROLL
-      for (int c = 0; c < NT / 8; ++c) {
-        const int k = 2 * (c / (H / 8)) + (c & 1);
+      for (int c = 0; c < NS / 8; ++c) {
+        const int cg = C0 + c, k = 2 * (cg / (H / 8)) + (cg & 1);
         DSQ_UNROLL
         for (int j = 0; j < 2; ++j) {
-          float x0 = acc[PB][4 * c + j], x1 = acc[PB][4 * c + 2 + j];
+          float x0 = acc[PA][4 * c + j], x1 = acc[PA][4 * c + 2 + j];
           if constexpr (decltype(scaled)::value) {
-            x0 *= sk0;
-            x1 *= sk1;
+            x0 *= z.sk0;
+            x1 *= z.sk1;
           }
-          s0[k] = fmaf(wr[2 * c + j], relu_nan(x0), s0[k]);
-          s1[k] = fmaf(wr[2 * c + j], relu_nan(x1), s1[k]);
+          z.s0[k] = fmaf(wr[2 * cg + j], relu_nan(x0), z.s0[k]);
+          z.s1[k] = fmaf(wr[2 * cg + j], relu_nan(x1), z.s1[k]);
         }
       }
     };
-    head_sums(std::false_type{});
-    float post0 = sk0 * wscale, post1 = sk1 * wscale;
-    if (!FP4 && any_sync(sk0 < 0.f || sk1 < 0.f)) {   // rare: recompute scaled first
-      post0 = post1 = wscale;
-      head_sums(std::true_type{});
-    }
+    if (FP4 || !z.scaled)
+      run(std::false_type{});
+    else
+      run(std::true_type{});   // rare
+  };
+  // Tile i's logits from its sums.
+  auto finish = [&](const Sums& z, int i) {
+    const float post0 = z.scaled ? wscale : z.sk0 * wscale, post1 = z.scaled ? wscale : z.sk1 * wscale;
     float v[V];
     DSQ_UNROLL
     for (int qi = 0; qi < NQ; ++qi) {
-      v[2 * qi] = s0[2 * qi] + s0[2 * qi + 1];
-      v[2 * qi + 1] = s1[2 * qi] + s1[2 * qi + 1];
+      v[2 * qi] = z.s0[2 * qi] + z.s0[2 * qi + 1];
+      v[2 * qi + 1] = z.s1[2 * qi] + z.s1[2 * qi + 1];
     }
     float g[kSlots];
     dsq_quad::quad_reduce_scatter<V>(v, lane, g, [](float x, int m) { return shfl_xor(x, m); });
-    const int base = t * kTile;
+    const int base = (t0 + i) * kTile;
     if (pages_ok && base + kTile <= full_end) {   // every row of the tile inside every query's context
       DSQ_UNROLL
       for (int s = 0; s < kSlots; ++s)
@@ -610,43 +641,69 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       store(slot_row[s] + p, in_ctx && ok ? g[s] * (slot_hi[s] ? post1 : post0) : dsq::u2f(0xFF800000u));
     }
   };
+  // One tile on its own (split and single modes).
+  auto one_tile = [&](int i) {
+    prepare(I0{}, i);
+    product(I0{}, I0{}, i, 0);
+    if constexpr (kSplit) {
+      product(I1{}, I0{}, i, 64);
+      mma_wait<1>();
+      mma_done<NS>(acc[0]);
+      Sums z = sums_begin(I0{});
+      add_sums(z, I0{}, std::integral_constant<int, 0>{});
+      mma_wait<0>();
+      mma_done<NS>(acc[1]);
+      if constexpr (FP4) frag_done(frag[0]);   // the A fragments stay live until both products completed
+      add_sums(z, I1{}, std::integral_constant<int, 64>{});
+      finish(z, i);
+    } else {
+      mma_wait<0>();
+      mma_done<NS>(acc[0]);
+      if constexpr (FP4) frag_done(frag[0]);
+      Sums z = sums_begin(I0{});
+      add_sums(z, I0{}, std::integral_constant<int, 0>{});
+      finish(z, i);
+    }
+  };
 
   // Pair p: wait for its copies and make them visible (the barrier also ends every read of the stages
-  // of pair p - 1, so they are refilled with pair p + kAhead right after it), start both products (tile 2p + 1's
-  // operands are prepared while tile 2p's runs), then tile 2p's epilogue while tile 2p + 1's product runs.
-  // No product is in flight across iterations (the compiler keeps both in flight only then). A tile past the last
-  // runs its product on a stage that holds no tile and skips its epilogue.
+  // of pair p - 1, so they are refilled with pair p + kAhead right after it). Dual mode: start both products (tile
+  // 2p + 1's operands are prepared while tile 2p's runs), then tile 2p's epilogue while tile 2p + 1's product runs;
+  // a tile past the last runs its product on a stage that holds no tile and skips its epilogue. No product is in
+  // flight across iterations (the compiler keeps both in flight only then).
   for (int p = 0; 2 * p < n_tiles; ++p) {
     cp_wait<kAhead - 1>();
     if constexpr (!FP4) async_fence();
     block_sync();
     issue_pair(p + kAhead);
     const int i = 2 * p;
-    if constexpr (!kDual) {   // one accumulator set: the two tiles one after the other
-      start(std::integral_constant<int, 0>{}, i);
-      mma_wait<0>();
-      mma_done<NT>(acc[0]);
-      epilogue(std::integral_constant<int, 0>{}, i);
-      if (i + 1 < n_tiles) {
-        start(std::integral_constant<int, 0>{}, i + 1);
-        mma_wait<0>();
-        mma_done<NT>(acc[0]);
-        epilogue(std::integral_constant<int, 0>{}, i + 1);
-      }
+    if constexpr (!kDual) {
+      one_tile(i);
+      if (i + 1 < n_tiles) one_tile(i + 1);
       continue;
     }
-    start(std::integral_constant<int, 0>{}, i);
-    start(std::integral_constant<int, 1>{}, i + 1);
+    prepare(I0{}, i);
+    product(I0{}, I0{}, i, 0);
+    prepare(I1{}, i + 1);
+    product(I1{}, I1{}, i + 1, 0);
     mma_wait<1>();
-    mma_done<NT>(acc[0]);
-    epilogue(std::integral_constant<int, 0>{}, i);
+    mma_done<NS>(acc[0]);
+    {
+      Sums z = sums_begin(I0{});
+      add_sums(z, I0{}, std::integral_constant<int, 0>{});
+      finish(z, i);
+    }
     mma_wait<0>();
-    mma_done<NT>(acc[1]);
+    mma_done<NS>(acc[1]);
     if constexpr (FP4) {   // the A fragments stay live until their product completed
       frag_done(frag[0]);
       frag_done(frag[1]);
     }
-    if (i + 1 < n_tiles) epilogue(std::integral_constant<int, 1>{}, i + 1);
+    if (i + 1 < n_tiles) {
+      Sums z = sums_begin(I1{});
+      add_sums(z, I1{}, std::integral_constant<int, 0>{});
+      finish(z, i + 1);
+    }
   }
   cp_wait<0>();   // no copy may land in the block's shared memory after it exits
 
