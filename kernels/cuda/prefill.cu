@@ -16,33 +16,7 @@
 namespace dsqpf {
 
 #define PF_FN __device__ __forceinline__
-using dsq_sm90::async_fence;   // the layer of prefill_body.cuh (sm90_layer.cuh)
-using dsq_sm90::block_sync;
-using dsq_sm90::cp16;
-using dsq_sm90::cp_commit;
-using dsq_sm90::cp_wait;
-using dsq_sm90::relu_nan;
-using dsq_sm90::shfl_xor;
-using dsq_sm90::thread_id;
-// acc = K . Q^T over the tile and the 128 q rows, one group (a kernel body exists in sm_90a code only).
-__device__ __forceinline__ void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  dsq_sm90::mma_ss<128>(acc, k_tile, q_rows);
-#else
-  (void)acc;
-  (void)k_tile;
-  (void)q_rows;
-#endif
-}
-template <int N>
-__device__ __forceinline__ void mma_wait(float (&acc)[64]) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  dsq_sm90::mma_wait<N>();
-  dsq_sm90::mma_done<128>(acc);
-#else
-  (void)acc;
-#endif
-}
+using namespace dsq_sm90;   // the layer of prefill_body.cuh (sm90_layer.cuh); its MMAs are sm_90a code only
 
 }  // namespace dsqpf
 

@@ -30,15 +30,14 @@
 //                                          cp_wait<N> returns when at most N of this thread's groups are pending
 //   void async_fence();                    this thread's shared-memory writes (copies and stores) made visible
 //                                          to the matrix unit (before the barrier that publishes them)
-//   void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows);
-//                                          starts acc = K . Q^T over K = 128 for a tile (64 rows) and the q rows (128
-//                                          rows), both in the layout above at 1024-byte aligned addresses, all 128
-//                                          threads together, as one group; acc and the operands are the matrix
-//                                          unit's until the group is waited for. Thread t (warp w, lane l) holds row
+//   template <int NT> void mma_ss(float (&acc)[NT / 2], const uint8_t* k_tile, const uint8_t* q_rows);
+//                                          starts acc = K . Q^T over K = 128 for a tile (64 rows) and NT q rows,
+//                                          both in the layout above at 1024-byte aligned addresses, all 128 threads
+//                                          together, as one group; acc and the operands are the matrix unit's until
+//                                          the group is waited for. Thread t (warp w, lane l) holds row
 //                                          16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at acc[4 c + 2 i + j]
-//   template <int N> void mma_wait(float (&acc)[64]);
-//                                          returns when at most N started groups are running (acc, started before
-//                                          them, holds its result)
+//   template <int N> void mma_wait();      returns when at most N started groups are running
+//   template <int NT> void mma_done(float (&acc)[NT / 2]);   after the wait that retired acc's group: acc is read
 //   float relu_nan(float x);               max(x, 0), NaN kept
 #pragma once
 
@@ -59,6 +58,12 @@ constexpr int kRows = 128;                // q rows (query, head) of a block: th
 #endif
 constexpr int kStages = DSQ_PREFILL_STAGES;
 static_assert(kStages >= 2, "DSQ_PREFILL_STAGES: at least 2");
+// The tile's MMA over all 128 q rows (0), or over each half in turn with the first half's head sums under the
+// second half's MMA (1): a variant to time (it reads the key tile from shared memory twice).
+#ifndef DSQ_PREFILL_SPLIT
+#define DSQ_PREFILL_SPLIT 0
+#endif
+constexpr bool kSplit = DSQ_PREFILL_SPLIT != 0;
 
 // Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales.
 constexpr int kSmemQ = 0;
@@ -220,19 +225,21 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     slot_mine[i] = slot_live[i] && (a.row_fold == nullptr || a.row_fold[i0 + qi] != 0);
   }
   // Tile t's epilogue from its accumulators (stage s: its key scales): keys t*64 + m0 and t*64 + m0 + 8.
-  auto epilogue = [&](const float (&acc)[64], int t, int s) {
-    float v[V];
+  // The head sums of an accumulator set of ns / 2 registers over q rows r0 .. r0 + ns - 1 (columns of the tile;
+  // constants where it is called), added to v.
+  auto add_sums = [&](float (&v)[V], const float* acc, int ns, int r0) {
     DSQ_UNROLL
-    for (int e = 0; e < V; ++e) v[e] = 0.0f;
-    DSQ_UNROLL
-    for (int c = 0; c < kRows / 8; ++c) {
-      const int qi = c / (H / 8);
+    for (int c = 0; c < ns / 8; ++c) {
+      const int cg = r0 / 8 + c, qi = cg / (H / 8);
       DSQ_UNROLL
       for (int j = 0; j < 2; ++j) {
-        v[2 * qi] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), v[2 * qi]);
-        v[2 * qi + 1] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), v[2 * qi + 1]);
+        v[2 * qi] = fmaf(wr[2 * cg + j], relu_nan(acc[4 * c + j]), v[2 * qi]);
+        v[2 * qi + 1] = fmaf(wr[2 * cg + j], relu_nan(acc[4 * c + 2 + j]), v[2 * qi + 1]);
       }
     }
+  };
+  // Tile t's logits from its head sums v (stage s: its key scales).
+  auto finish = [&](const float (&v)[V], int t, int s) {
     float g[kSlots];
     dsq_quad::quad_reduce_scatter<V>(v, lane, g, [](float x, int m) { return shfl_xor(x, m); });
     const int t0 = t * kTile;
@@ -264,8 +271,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   };
   // One tile an iteration: its copies landed (the oldest group), a barrier (tile it - 1 is no longer read: its
   // MMA was waited for), the refill of tile it - 1's stage, the MMA, the epilogue; other blocks on the SM
-  // overlap this one's epilogue with their MMAs.
-  float acc[64];
+  // overlap this one's epilogue with their MMAs. Split (DSQ_PREFILL_SPLIT): two MMAs over the two halves of the q
+  // rows, the first half's head sums under the second half's MMA (the key tile is read twice).
   for (int it = 0; it < n; ++it) {
     cp_wait<kStages - 2>();
     async_fence();
@@ -273,9 +280,28 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     if (it + kStages - 1 < n) issue(t_lo + it + kStages - 1, (it + kStages - 1) % kStages);
     cp_commit();
     const int s = it % kStages;
-    mma_start(acc, sk + s * (kTile * 128), sq);
-    mma_wait<0>(acc);
-    epilogue(acc, t_lo + it, s);
+    const uint8_t* const ktile = sk + s * (kTile * 128);
+    float v[V];
+    DSQ_UNROLL
+    for (int e = 0; e < V; ++e) v[e] = 0.0f;
+    if constexpr (kSplit) {
+      float acc0[kRows / 4], acc1[kRows / 4];
+      mma_ss<kRows / 2>(acc0, ktile, sq);
+      mma_ss<kRows / 2>(acc1, ktile, sq + (kRows / 2) * 128);
+      mma_wait<1>();
+      mma_done<kRows / 2>(acc0);
+      add_sums(v, acc0, kRows / 2, 0);
+      mma_wait<0>();
+      mma_done<kRows / 2>(acc1);
+      add_sums(v, acc1, kRows / 2, kRows / 2);
+    } else {
+      float acc[kRows / 2];
+      mma_ss<kRows>(acc, ktile, sq);
+      mma_wait<0>();
+      mma_done<kRows>(acc);
+      add_sums(v, acc, kRows, 0);
+    }
+    finish(v, t_lo + it, s);
   }
   cp_wait<0>();   // no copy may land in the block's shared memory after it exits
 

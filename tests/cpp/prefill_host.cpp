@@ -17,13 +17,6 @@
 namespace dsqpf {
 #define PF_FN inline
 using namespace sm90emu;
-inline void mma_start(float (&acc)[64], const uint8_t* k_tile, const uint8_t* q_rows) {
-  sm90emu::mma_ss<128>(acc, k_tile, q_rows);
-}
-template <int N>
-inline void mma_wait(float (&)[64]) {
-  sm90emu::mma_wait<N>();
-}
 }  // namespace dsqpf
 
 #include "prefill_body.cuh"
