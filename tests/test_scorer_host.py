@@ -209,3 +209,29 @@ def test_tuning_variants(flags):
             a = make(layout, 2, N, H, 200, seed=H + N, ctx_form="2d" if N > 1 else "1d")
             out, _ = emulate(lib, a, layout, 64)
             check(out, a, layout, 64, f"{flags} {layout} H={H} N={N}")
+
+
+@pytest.mark.parametrize("layout", ["packed68", "aiter_fp4"])
+@pytest.mark.parametrize("k_exps,q_exps", [((100, 131), (100, 131)), ((1, 31), (200, 240))])
+def test_fp4_wide_exponent_spans_and_zero_scales(lib, layout, k_exps, q_exps):
+    """FP4 rows whose block exponents span more than the 14 binades the fold keeps exact (the small blocks round to
+    e4m3 subnormals), keys whose largest exponent is below 31 (against huge query scales, so that their logits are
+    normal numbers), and zero-scale blocks (exponent 0): within the tolerance of mag all the same."""
+    P = 64
+    a = make(layout, 2, 2, 64, 200, seed=k_exps[0] + 3, ctx_form="2d")
+    g = torch.Generator().manual_seed(q_exps[0])
+    if layout == "packed68":
+        kv = a["kv_cache"]
+        kv[:, P * 64:] = torch.randint(*k_exps, kv[:, P * 64:].shape, generator=g, dtype=torch.uint8)
+        kv[::3, P * 64 + 5::7] = 0
+        a["q_scale"][:] = torch.randint(*q_exps, a["q_scale"].shape, generator=g, dtype=torch.uint8)
+        a["q_scale"][0, 1, ::9, 2] = 0
+    else:
+        from dsaquant.reference.layouts import write_aiter_q_scale
+        a["kv_cache_scale"][:] = torch.randint(*k_exps, a["kv_cache_scale"].shape, generator=g, dtype=torch.uint8)
+        a["kv_cache_scale"][::3, :, 1, ::5] = 0
+        qe = torch.randint(*q_exps, (4, 64, 4), generator=g, dtype=torch.uint8)
+        qe[1, ::9, 2] = 0
+        write_aiter_q_scale(a["q_scale"], torch.arange(4), qe, 64)
+    out, _ = emulate(lib, a, layout, P)
+    check(out, a, layout, P, f"{layout} k exponents {k_exps}, q exponents {q_exps}")
