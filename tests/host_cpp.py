@@ -50,6 +50,24 @@ def build(sources: list[Path], name: str, what: str, extra_flags: tuple[str, ...
     return so
 
 
+def emulator(sources: list[Path], name: str, what: str, flags: tuple[str, ...] = ()):
+    """A kernel-body emulator of tests/cpp built with `flags` (tuning macros: each gets its own build) and loaded,
+    with its common entry points typed: dsq_error_string, dsq_emu_set_order(order, seed), dsq_emu_set_slots(n).
+    Skips the test when there is no C++ compiler."""
+    import ctypes
+
+    import pytest
+    if cxx() is None:
+        pytest.skip("no C++ compiler")
+    so = build(sources, name + "".join(f.replace("-D", "_").replace("=", "") for f in flags), what, tuple(flags),
+               includes=(str(REPO / "tests" / "cpp"),))
+    h = ctypes.CDLL(str(so))
+    h.dsq_error_string.restype = ctypes.c_char_p
+    h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
+    return h
+
+
 def same_bytes(name: str, got, want) -> None:
     """Asserts that two tensors hold the same bytes, naming the first that differ."""
     gb, wb = got.contiguous().view(torch.uint8).reshape(-1), want.contiguous().view(torch.uint8).reshape(-1)

@@ -22,7 +22,7 @@ import dsaquant
 from dsaquant.backends import prefill_abi
 
 from conftest import REPO
-from host_cpp import build, cxx
+from host_cpp import emulator
 from test_prefill import RANGES, check_close, expected_layout, make, oracle
 
 CPP = REPO / "tests" / "cpp"
@@ -33,15 +33,7 @@ UNTOUCHED = 12345.0
 
 def load(flags=()):
     """The emulator of the kernel body, built with `flags` (the kernel's tuning macros)."""
-    if cxx() is None:
-        pytest.skip("no C++ compiler")
-    so = build(SOURCES, "prefill_host" + "".join(f.replace("-D", "_").replace("=", "") for f in flags),
-               "the prefill emulator", tuple(flags), includes=(str(CPP),))
-    h = ctypes.CDLL(str(so))
-    h.dsq_error_string.restype = ctypes.c_char_p
-    h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
-    h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
-    return h
+    return emulator(SOURCES, "prefill_host", "the prefill emulator", flags)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from dsaquant.testing import run_scorer, scorer_hostile_tables, scorer_magnitude
 from dsaquant.triton.scorer import make_scorer_inputs
 
 from conftest import REPO
-from host_cpp import build, cxx
+from host_cpp import emulator
 
 CPP = REPO / "tests" / "cpp"
 SOURCES = [CPP / "scorer_host.cpp", *(REPO / "kernels" / "cuda" / f for f in ("scorer_body.cuh", "scorer.h", "quad.cuh")),
@@ -35,16 +35,9 @@ FLAG_PAGE = int(ErrFlag.page_out_of_range)
 
 def load(flags=()):
     """The emulator of the kernel body, built with `flags` (the kernel's tuning macros)."""
-    if cxx() is None:
-        pytest.skip("no C++ compiler")
-    so = build(SOURCES, "scorer_host" + "".join(f.replace("-D", "_").replace("=", "") for f in flags),
-               "the scorer emulator", tuple(flags), includes=(str(CPP),))
-    h = ctypes.CDLL(str(so))
+    h = emulator(SOURCES, "scorer_host", "the scorer emulator", flags)
     h.dsq_paged_mqa_logits.argtypes = [ctypes.POINTER(abi.PagedLogitsArgs), ctypes.c_void_p]
     h.dsq_paged_mqa_logits.restype = ctypes.c_int
-    h.dsq_error_string.restype = ctypes.c_char_p
-    h.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
-    h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
     return h
 
 
