@@ -178,6 +178,8 @@ def exact_fraction(q, qe, k, ke, w):
 # =====================================================================================================
 TRITON_CASES = {
     "fp8-full": dict(layout="fp8"),
+    # 20 rows, every one its own range: blocks of rows whose ranges end (or start) tiles away from the keys' ends
+    "fp8-ragged-rows": dict(layout="fp8", S=20),
     "fp8-compressed": dict(layout="fp8", W=24),
     "fp8-noclean": dict(layout="fp8", clean=False),
     "fp8-bf16": dict(layout="fp8", bf16=True),

@@ -1,7 +1,7 @@
 // kernels/cuda/prefill.cu: the ragged prefill logits (docs/prefill.md `mqa_logits`, FP8 layout) on sm_90a FP8
 // tensor cores. The block body is prefill_body.cuh (shared with the host emulator of the tests); this file supplies
-// its layer (sm90_layer.cuh: cp.async copies, the warpgroup MMA of a tile, the 32-lane exchange), the kernels (one per H), the
-// launch and the C interface (prefill.h). The kernel body exists in sm_90a code only; elsewhere dsq_mqa_logits
+// its layer (sm90_layer.cuh: cp.async copies, the warpgroup MMA of a tile, the 32-lane exchange), the kernels (one
+// per H), the launch and the C interface (prefill.h). The kernel body exists in sm_90a code only; elsewhere dsq_mqa_logits
 // returns cudaErrorNotSupported and the Python backend hands the call to the Triton kernel.
 #include <cuda_runtime.h>
 

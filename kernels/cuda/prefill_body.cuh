@@ -224,7 +224,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     slot_base[i] = slot_live[i] && a.compressed ? a.base[i0 + qi] : 0;
     slot_mine[i] = slot_live[i] && (a.row_fold == nullptr || a.row_fold[i0 + qi] != 0);
   }
-  // Tile t's epilogue from its accumulators (stage s: its key scales): keys t*64 + m0 and t*64 + m0 + 8.
+  // Tile t's epilogue: keys t*64 + m0 and t*64 + m0 + 8.
   // The head sums of an accumulator set of ns / 2 registers over q rows r0 .. r0 + ns - 1 (columns of the tile;
   // constants where it is called), added to v.
   auto add_sums = [&](float (&v)[V], const float* acc, int ns, int r0) {

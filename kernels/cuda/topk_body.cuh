@@ -38,8 +38,8 @@
 //      and appends the words of its keys above bin b to the row's "above" list (fewer than k) and those in bin b
 //      to its "bin" list, each tile's slots reserved with one atomic add;
 //   3. finish_block: one block per row loads both lists (their sum is at most kSortWords), keeps the k largest
-//      words and sorts and writes them (as row_block), or, when bin b holds more than fits (a row of massive ties), runs the
-//      one-block selection on the row instead. The lists' order depends on the atomics, their contents and the
+//      words and sorts and writes them (as row_block), or, when bin b holds more than fits (a row of massive
+//      ties), runs the one-block selection on the row instead. The lists' order depends on the atomics, their contents and the
 //      sorted result do not.
 #pragma once
 

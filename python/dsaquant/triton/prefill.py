@@ -18,8 +18,8 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     in the weights, the keys' after the head sum) and writes the logits whose key and query row fold, and
     FOLD_PASS 2 the bf16 dots of the others (values decoded exactly: SPEC §1 values times a power of two, split
     into the even and odd elements, two dots with K = 64; a program loads and decodes its query rows only when
-    one of its rows or of the keys does not fold, so where everything folds the pass costs its launch). Other devices: the bf16 dots, one launch. The cuda
-    backend runs its own kernel as pass 1 (fold_keys, fold_queries: the pre-passes it needs).
+    one of its rows or of the keys does not fold, so where everything folds the pass costs its launch). Other
+    devices: the bf16 dots, one launch. The cuda backend runs its own kernel as pass 1 (fold_keys, fold_queries: the pre-passes it needs).
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
@@ -337,42 +337,58 @@ def _mqa_logits_kernel(
             q_lo2, q_hi2 = _fp4_dequant(qp2, qword, c64)
             qL = tl.trans(_operand(q_lo2, DOT_F32))
             qH = tl.trans(_operand(q_hi2, DOT_F32))
-            if STATIC_TILES == 0:
-                for t in range(t_lo, t_hi):
-                    _logits_tile(t, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi,
-                                 base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ,
-                                 BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED,
-                                 OUT_KIND, FOLD_PASS)
-            else:
-                for it in range(STATIC_TILES):
-                    t = t_begin + it
-                    if (t >= t_lo) & (t < t_hi):
-                        _logits_tile(t, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo,
-                                     hi, base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H,
-                                     BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN,
-                                     COMPRESSED, OUT_KIND, FOLD_PASS)
-    elif STATIC_TILES == 0:
-        for t in range(t_lo, t_hi):
-            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base, k_ptr,
-                         kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT,
-                         IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
-        if FILL:
-            for t in range(t_begin, tl.minimum(t_lo, t_end)):
-                _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
-            for t in range(tl.maximum(t_hi, t_begin), t_end):
-                _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+            _score_tiles(t_begin, t_lo, t_hi, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok,
+                         lo, hi, base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ,
+                         BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND,
+                         FOLD_PASS, STATIC_TILES)
     else:
-        # constexpr trip count and a branch: the interpreter cannot loop over tensor bounds (numpy >= 2.4)
+        _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok,
+                     lo, hi, base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV,
+                     LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS,
+                     STATIC_TILES)
+        if FILL:
+            _fill_tiles(t_begin, t_lo, t_hi, t_end, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND,
+                        STATIC_TILES)
+
+
+@triton.jit
+def _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi,
+                 base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H: tl.constexpr,
+                 BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                 FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
+                 CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, OUT_KIND: tl.constexpr, FOLD_PASS: tl.constexpr,
+                 STATIC_TILES: tl.constexpr):
+    """_logits_tile for the tiles [t_lo, t_hi). STATIC_TILES > 0 (the interpreter, which cannot loop over tensor
+    bounds with numpy >= 2.4): a constexpr trip count over the program's tiles from t_begin, and a branch."""
+    if STATIC_TILES == 0:
+        for t in range(t_lo, t_hi):
+            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base,
+                         k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT,
+                         FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
+    else:
         for it in range(STATIC_TILES):
             t = t_begin + it
             if (t >= t_lo) & (t < t_hi):
-                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base,
-                             k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
-                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
-            else:
-                if FILL:
-                    if t < t_end:
-                        _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi,
+                             base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ,
+                             BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED,
+                             OUT_KIND, FOLD_PASS)
+
+
+@triton.jit
+def _fill_tiles(t_begin, t_lo, t_hi, t_end, rows, row_ok, out_ptr, SKV, stride_out, BQ: tl.constexpr,
+                BLOCK_KV: tl.constexpr, OUT_KIND: tl.constexpr, STATIC_TILES: tl.constexpr):
+    """-inf in the program's tiles [t_begin, t_end) outside [t_lo, t_hi) (STATIC_TILES as _score_tiles)."""
+    if STATIC_TILES == 0:
+        for t in range(t_begin, tl.minimum(t_lo, t_end)):
+            _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+        for t in range(tl.maximum(t_hi, t_begin), t_end):
+            _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
+    else:
+        for it in range(STATIC_TILES):
+            t = t_begin + it
+            if ((t < t_lo) | (t >= t_hi)) & (t < t_end):
+                _fill_tile(t, rows, row_ok, out_ptr, SKV, stride_out, BQ, BLOCK_KV, OUT_KIND)
 
 
 @triton.jit
