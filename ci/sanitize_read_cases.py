@@ -29,7 +29,10 @@ LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 
 def scorer_cases():
     for layout in LAYOUTS:
-        for (B, N, H, ctx, P) in ((2, 1, 64, 300, 64), (1, 4, 32, 700, 32), (3, 2, 16, 130, 128)):
+        # pages of 96 and 100 slots: tiles of 64 keys that span two pages (aiter_fp4 pages are multiples of 16)
+        odd = 96 if layout == "aiter_fp4" else 100
+        for (B, N, H, ctx, P) in ((2, 1, 64, 300, 64), (1, 4, 32, 700, 32), (3, 2, 16, 130, 128), (2, 1, 64, 390, odd),
+                                  (1, 2, 32, 290, 96)):
             a = make_scorer_inputs(layout, B, N, H, ctx, page_size=P, device=dev)
             ops.paged_mqa_logits(layout=layout, backend=on("paged_mqa_logits"), **a)
         # hostile: page ids outside [0, NB), lengths past max_seq_len, past the table, negative

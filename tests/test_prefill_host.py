@@ -103,18 +103,6 @@ def test_body_against_reference(lib, name, order):
     compare(a, ks, ke, got, ref, W, bf16)
 
 
-def test_split_variant():
-    """The variant that splits a tile's MMA over the two halves of the q rows (DSQ_PREFILL_SPLIT) gives the same
-    logits."""
-    lib = load(("-DDSQ_PREFILL_SPLIT=1",))
-    for name in list(CASES)[:4]:
-        H, S, SKV, W, clean, bf16, bf16w, splits = CASES[name]
-        a = make("fp8", S=S, H=H, SKV=SKV, seed=H + S)
-        ks, ke = (RANGES if S == 6 else _ranges(S, SKV, S))
-        got, ref = run(lib, a, ks, ke, W=W, clean=clean, bf16=bf16, splits=splits)
-        compare(a, ks, ke, got, ref, W, bf16)
-
-
 def test_one_block_of_rows_many_splits(lib):
     """Few rows: the plan splits the keys (16 slots, one block of rows); every split fills its own tiles."""
     a = make("fp8", S=2, H=64, SKV=700, seed=3)
@@ -214,9 +202,9 @@ def test_struct_layout_matches_ctypes(tmp_path):
             assert int(got[f]) == getattr(prefill_abi.DsqMqaLogitsArgs, f).offset, f
 
 
-@pytest.mark.parametrize("arch,split", [("90a", 0), ("100a", 0), ("90a", 1)])
-def test_kernel_builds_without_spills(tmp_path, arch, split):
-    """prefill.cu compiles with the project's nvcc flags (and the DSQ_PREFILL_SPLIT variant); the sm_90a kernels (one
+@pytest.mark.parametrize("arch", ["90a", "100a"])
+def test_kernel_builds_without_spills(tmp_path, arch):
+    """prefill.cu compiles with the project's nvcc flags; the sm_90a kernels (one
     per H) run the fp8 wgmma, which the compiler does not serialise (no injected warpgroup wait), and keep
     everything in registers (no stack frame, no spills) within the 3 blocks an SM they ask for."""
     import re
@@ -226,7 +214,7 @@ def test_kernel_builds_without_spills(tmp_path, arch, split):
     nvcc = bn.find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
-    flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")] + ([f"-DDSQ_PREFILL_SPLIT={split}"] if split else [])
+    flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
     out = tmp_path / "prefill.cubin"
     cmd = [nvcc, *flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-cubin",
            str(REPO / "kernels" / "cuda" / "prefill.cu"), "-o", str(out)]
@@ -241,9 +229,8 @@ def test_kernel_builds_without_spills(tmp_path, arch, split):
     if arch == "90a":
         ptx = subprocess.run([nvcc, *flags, "-arch=compute_90a", "-ptx", str(REPO / "kernels" / "cuda" / "prefill.cu"),
                               "-o", "-"], capture_output=True, text=True, check=True).stdout
-        # four k steps a tile (of each half with the split), in each of the four kernels
-        shape = "m64n64k32" if split else "m64n128k32"
-        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.e4m3\.e4m3", ptx)) == (32 if split else 16)
+        # four k steps a tile, in each of the four kernels
+        assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 16
 
 
 # ---- FP4 folded into e4m3: the Triton pre-passes, the emulated kernel, then Triton's second pass -------------
