@@ -192,10 +192,10 @@ def test_aiter_pages_across_tiles_are_left_to_triton(lib):
     assert bool((out == UNTOUCHED).all())
 
 
-@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_SPLIT_FP8=1",), ("-DDSQ_SCORER_DUAL_MAX_ROWS=128",)])
+@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_DUAL_MAX_ROWS=128",)])
 def test_tuning_variants(flags):
-    """The accumulator arrangements the tuning macros select for tiles of 128 q rows (fp8_132 split in halves; two
-    sets of 128 rows) give the same logits."""
+    """The accumulator arrangement the tuning macro selects for tiles of 128 q rows (two sets of 128 rows) gives
+    the same logits."""
     lib = load(flags)
     for layout in LAYOUTS:
         for (H, N) in ((64, 2), (128, 1), (16, 7)):

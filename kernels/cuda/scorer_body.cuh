@@ -78,11 +78,6 @@ static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even numbe
 #ifndef DSQ_SCORER_DUAL_MAX_ROWS
 #define DSQ_SCORER_DUAL_MAX_ROWS 64
 #endif
-// fp8_132 tiles of 128 q rows split in two halves (1) or one set (0): the split overlaps a half's product with the
-// other's head sums but reads the key tile twice from shared memory; a variant to time (FP4 tiles always split).
-#ifndef DSQ_SCORER_SPLIT_FP8
-#define DSQ_SCORER_SPLIT_FP8 0
-#endif
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
@@ -473,13 +468,14 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   // Two accumulator sets of NS q rows each:
   //   * dual (NT <= DSQ_SCORER_DUAL_MAX_ROWS): a set per tile of a pair, tile 2p + 1's product running while tile
   //     2p's epilogue does (FP4: two sets of A fragments as well, read by the instruction until it completes);
-  //   * split (NT = 128: 64 accumulator registers; FP4, or fp8_132 with DSQ_SCORER_SPLIT_FP8): a set per half of the
-  //     q rows (64 each) of one tile, the second half's product running while the first half's head sums do (FP4
-  //     builds the tile's A fragments once for both halves; fp8_132 reads the key tile twice);
-  //   * single (NT = 128, fp8_132 by default): one set of all 128 rows, the tiles one after the other.
+  //   * split (NT = 128, FP4: 64 accumulator registers): a set per half of the q rows (64 each) of one tile, the
+  //     second half's product running while the first half's head sums do (the tile's A fragments built once for
+  //     both halves);
+  //   * single (NT = 128, fp8_132): one set of all 128 rows, the tiles one after the other (split like FP4's, it
+  //     reads the key tile twice from shared memory and measured within 1 % of this on the H100).
   // Two sets of 128 rows would halve the resident blocks (DSQ_SCORER_DUAL_MAX_ROWS = 128 is a variant to time).
   constexpr bool kDual = NT <= DSQ_SCORER_DUAL_MAX_ROWS;
-  constexpr bool kSplit = !kDual && NT == 128 && (FP4 || DSQ_SCORER_SPLIT_FP8);
+  constexpr bool kSplit = !kDual && NT == 128 && FP4;
   constexpr int NS = kSplit ? 64 : NT;
   float acc[2][NS / 2];
   uint32_t frag[2][FP4 ? 4 : 1][4];
