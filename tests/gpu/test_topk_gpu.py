@@ -164,31 +164,19 @@ def test_cuda_graph_replay(backend):
 
 
 # -----------------------------------------------------------------------------------------------------
-# kernels/cuda/topk.cu before it is part of the build: compiled here with nvcc into a shared library and
-# called through its C ABI (dsaquant.backends.topk_abi), byte-equal to the reference.
+# kernels/cuda/topk.cu through its C ABI (dsaquant.backends.topk_abi) in the built library, with every
+# blocks-a-row count (not only the plan's), byte-equal to the reference.
 # -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def topk_lib(tmp_path_factory):
+def topk_lib():
     import ctypes
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
+    from dsaquant.backends.compiled import find_library
     if getattr(torch.version, "hip", None):
         pytest.skip("kernels/cuda/topk.cu is built for NVIDIA here")
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    repo = Path(__file__).resolve().parents[2]
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-    so = tmp_path_factory.mktemp("topk_cuda") / "libdsq_topk.so"
-    cmd = [nvcc, "-std=c++17", "-O3", "--fmad=false", "-shared", "-Xcompiler", "-fPIC",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-I{repo / 'src' / 'include'}",
-           str(repo / "kernels" / "cuda" / "topk.cu"), "-o", str(so)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{res.stderr}"
-    return ctypes.CDLL(str(so))
+    path = find_library("libdsaquant_cuda.so", "dsaquant_cuda13")
+    if path is None:
+        pytest.skip("the cuda library is not built")
+    return ctypes.CDLL(str(path))
 
 
 def run_cuda_lib(lib, x, k, kw, chunks):
