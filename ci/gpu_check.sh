@@ -47,11 +47,12 @@ if has profile && command -v ncu >/dev/null; then
   # Nsight Compute, full set, of the second launch of each case (ci/profile_case.py) on each backend:
   # ncu_<backend>_<case>_T<T>.txt holds every section (occupancy, warp stalls, memory tables), _sass.csv the
   # per-instruction stall samples of the SASS.
+  kernels=$(python3 ci/profile_case.py --kernels)
   for b in ${PROFILE_BACKENDS:-$BACKEND}; do
-    for case in ${PROFILE_CASES:-fp8 fp4 qpack}; do   # CASE or CASE@T (e.g. fp4@1)
+    for case in ${PROFILE_CASES:-fp8 fp4 qpack}; do   # CASE or CASE@T (e.g. fp4@1); read side: topk64, scorer_packed68..
       w=${case%@*}; T=8192; [[ $case == *@* ]] && T=${case#*@}
       rep="$OUT/ncu_${b}_${w}_T$T"
-      timeout 240 ncu --clock-control none --set full --kernel-name regex:'indexer_kernel|qpack_kernel' \
+      timeout 240 ncu --clock-control none --set full --kernel-name regex:"$kernels" \
         --launch-skip 1 --launch-count 1 -f -o "$rep" python3 ci/profile_case.py $w "$b" $T >"$rep.log" 2>&1
       ncu -i "$rep.ncu-rep" --page details --print-details all >"$rep.txt" 2>&1
       ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"${rep}_sass.csv" 2>&1

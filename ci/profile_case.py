@@ -1,5 +1,13 @@
-"""One call of an op, for ncu: python ci/profile_case.py [fp8|fp4|qpack] [backend] [T] (H = 64, T = 8192
-unless given). ncu's --launch-skip 1 --launch-count 1 then profiles the second (warm) call."""
+"""One op called twice, for ncu: python ci/profile_case.py CASE [backend] [T]. ncu's --launch-skip 1 --launch-count 1
+(ci/gpu_check.sh, with KERNELS as its kernel-name filter: `python ci/profile_case.py --kernels` prints it) then
+profiles the second (warm) call's main kernel.
+
+Writers (H = 64, T = 8192 unless given): fp8, fp4 (indexer_qk_rope_quant_and_cache), qpack (index_q_rope_pack_weights).
+Read side (the bench's shapes): topk64 (top-2048 of [64, 65536] fp32: the one-block-a-row kernel), topk4 (of
+[4, 163840]: the finish kernel of the few-long-rows path), scorer_fp8_132 / scorer_packed68 / scorer_aiter_fp4
+(paged_mqa_logits, batch 64, next_n 1, context 8192, full), prefill_fp8 / prefill_fp4 (mqa_logits, S = 2048,
+SKV = 8192, full ranges: the CUDA kernel; FP4's Triton passes do not match KERNELS).
+"""
 import sys
 
 import torch
@@ -7,15 +15,42 @@ import torch
 import dsaquant as dq
 from dsaquant import testing as tt
 
+# The kernels a case profiles (ncu --kernel-name regex): one launch a call matches.
+KERNELS = "indexer_kernel|qpack_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
+
 what = sys.argv[1] if len(sys.argv) > 1 else "fp8"
+if what == "--kernels":
+    print(KERNELS)
+    raise SystemExit(0)
 backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
 T = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
 if what in ("fp8", "fp4"):
     a = tt.make_indexer(T=T, H=64, mode=what, device="cuda", extra_pages=0)
-    dq.indexer_qk_rope_quant_and_cache(**a, backend=backend)
-    dq.indexer_qk_rope_quant_and_cache(**a, backend=backend)
-else:
+    call = lambda: dq.indexer_qk_rope_quant_and_cache(**a, backend=backend)  # noqa: E731
+elif what == "qpack":
     a = tt.make_q_pack(T=T, H=64, device="cuda")
-    dq.index_q_rope_pack_weights(**a, backend=backend)
-    dq.index_q_rope_pack_weights(**a, backend=backend)
+    call = lambda: dq.index_q_rope_pack_weights(**a, backend=backend)  # noqa: E731
+elif what in ("topk64", "topk4"):
+    from dsaquant.topk import topk_indices
+    rows, L = (64, 65536) if what == "topk64" else (4, 163840)
+    logits = torch.randn(rows, L, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    ctx = torch.full((rows,), L, dtype=torch.int32, device="cuda")
+    out = torch.empty((rows, 2048), dtype=torch.int32, device="cuda")
+    call = lambda: topk_indices(logits, 2048, context_lens=ctx, out=out, backend=backend)  # noqa: E731
+elif what.startswith("scorer_"):
+    from dsaquant import ops
+    from dsaquant.bench_scorer import inputs
+    layout = what[len("scorer_"):]
+    a = inputs(layout, 64, 1, 64, 8192, "full", 0)
+    call = lambda: ops.paged_mqa_logits(layout=layout, backend=backend, **a)  # noqa: E731
+elif what.startswith("prefill_"):
+    from dsaquant.bench_prefill import make_prefill_inputs
+    from dsaquant.prefill import mqa_logits
+    layout = what[len("prefill_"):]
+    a = make_prefill_inputs(layout, 2048, 8192, 64)
+    call = lambda: mqa_logits(layout=layout, backend=backend, **a)  # noqa: E731
+else:
+    raise SystemExit(f"unknown case {what!r}")
+call()
+call()
 torch.cuda.synchronize()
