@@ -192,10 +192,10 @@ def test_aiter_pages_across_tiles_are_left_to_triton(lib):
     assert bool((out == UNTOUCHED).all())
 
 
-@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_DUAL_MAX_ROWS=128",)])
-def test_tuning_variants(flags):
-    """The accumulator arrangement the tuning macro selects for tiles of 128 q rows (two sets of 128 rows) gives
-    the same logits."""
+def test_dual_sets_of_128_rows():
+    """The accumulator arrangement DSQ_SCORER_DUAL_MAX_ROWS=128 selects for tiles of 128 q rows (two sets of 128
+    rows) gives the same logits."""
+    flags = ("-DDSQ_SCORER_DUAL_MAX_ROWS=128",)
     lib = load(flags)
     for layout in LAYOUTS:
         for (H, N) in ((64, 2), (128, 1), (16, 7)):

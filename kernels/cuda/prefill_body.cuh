@@ -224,11 +224,11 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   auto add_sums = [&](float (&v)[V], const float (&acc)[kRows / 2]) {
     DSQ_UNROLL
     for (int c = 0; c < kRows / 8; ++c) {
-      const int cg = c, qi = cg / (H / 8);
+      const int qi = c / (H / 8);
       DSQ_UNROLL
       for (int j = 0; j < 2; ++j) {
-        v[2 * qi] = fmaf(wr[2 * cg + j], relu_nan(acc[4 * c + j]), v[2 * qi]);
-        v[2 * qi + 1] = fmaf(wr[2 * cg + j], relu_nan(acc[4 * c + 2 + j]), v[2 * qi + 1]);
+        v[2 * qi] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + j]), v[2 * qi]);
+        v[2 * qi + 1] = fmaf(wr[2 * c + j], relu_nan(acc[4 * c + 2 + j]), v[2 * qi + 1]);
       }
     }
   };
