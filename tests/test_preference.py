@@ -45,6 +45,7 @@ def test_variants_on_nvidia():
     assert preference.order("nvidia", "compress_kv", 16384, v("compress_kv", ratio=4)) == NV
     assert preference.order("nvidia", "compress_kv", 32768, v("compress_kv", ratio=4)) == TRITON_FIRST
     assert preference.order("nvidia", "compress_kv", 64, v("compress_kv", ratio=4, decode=True)) == NV
+    assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=128, decode=True)) == TRITON_FIRST
     assert preference.order("nvidia", "compress_kv", 8192) == NV                 # no variant: the default
     assert preference.order("nvidia", "rope_rotate_quant", 8192, "fp4") == TRITON_FIRST
     assert preference.order("nvidia", "rope_rotate_quant", 64, "fp4") == NV
