@@ -2,7 +2,8 @@
 (ci/gpu_check.sh, with KERNELS as its kernel-name filter: `python ci/profile_case.py --kernels` prints it) then
 profiles the second (warm) call's main kernel.
 
-Writers (H = 64, T = 8192 unless given): fp8, fp4 (indexer_qk_rope_quant_and_cache), qpack (index_q_rope_pack_weights).
+Writers (H = 64, T = 8192 unless given): fp8, fp4 (indexer_qk_rope_quant_and_cache), qpack (index_q_rope_pack_weights),
+rotate (rope_rotate_quant, D = 128, into FP4).
 Read side (the bench's shapes): topk64 (top-2048 of [64, 65536] fp32: the one-block-a-row kernel), topk4 (of
 [4, 163840]: the finish kernel of the few-long-rows path), scorer_fp8_132 / scorer_packed68 / scorer_aiter_fp4
 (paged_mqa_logits, batch 64, next_n 1, context 8192, full), prefill_fp8 / prefill_fp4 (mqa_logits, S = 2048,
@@ -16,7 +17,7 @@ import dsaquant as dq
 from dsaquant import testing as tt
 
 # The kernels a case profiles (ncu --kernel-name regex): one launch a call matches.
-KERNELS = "indexer_kernel|qpack_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
+KERNELS = "indexer_kernel|qpack_kernel|rope_rotate_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
 
 what = sys.argv[1] if len(sys.argv) > 1 else "fp8"
 if what == "--kernels":
@@ -30,6 +31,10 @@ if what in ("fp8", "fp4"):
 elif what == "qpack":
     a = tt.make_q_pack(T=T, H=64, device="cuda")
     call = lambda: dq.index_q_rope_pack_weights(**a, backend=backend)  # noqa: E731
+elif what == "rotate":
+    from dsaquant import compress
+    a = tt.make_rope_rotate_quant(T=T, H=64, device="cuda")
+    call = lambda: compress.rope_rotate_quant(**a, backend=backend)  # noqa: E731
 elif what in ("topk64", "topk4"):
     from dsaquant.topk import topk_indices
     rows, L = (64, 65536) if what == "topk64" else (4, 163840)

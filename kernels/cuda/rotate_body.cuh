@@ -95,7 +95,9 @@ V4_FN void rope_entry(const RopeTable& r, int64_t p, int j, float& c, float& s) 
   }
 }
 
-// The lane's V values x[0 .. V-1] from element `off` of x (a row's dense last dim), as fp32 (exact).
+// The lane's V values x[0 .. V-1] from element `off` of x (a row's dense last dim), as fp32 (exact). The vector
+// path issues every 16-byte load of the lane before converting any: the conversions branch on the dtype, and a
+// load behind a branch waits for it, so interleaving them would leave one load in flight at a time.
 template <int V>
 V4_FN void load_values(const RotateArgs& a, int64_t off, bool vec, float (&x)[V]) {
   if (a.in_dt == kF32) {
@@ -116,15 +118,25 @@ V4_FN void load_values(const RotateArgs& a, int64_t off, bool vec, float (&x)[V]
   }
   const uint16_t* p = static_cast<const uint16_t*>(a.x) + off;
   if (vec) {
-    const bool bf = a.in_dt == kBF16;
+    uint32_t raw[V / 2];
     V4_UNROLL
     for (int i = 0; i < V / 8; ++i) {
       uint32_t w[4];
       ld16(p + 8 * i, w);
       V4_UNROLL
-      for (int k = 0; k < 4; ++k) {
-        x[8 * i + 2 * k] = bf ? u2f(w[k] << 16) : fp16_to_f32(static_cast<uint16_t>(w[k]));
-        x[8 * i + 2 * k + 1] = bf ? u2f(w[k] & 0xFFFF0000u) : fp16_to_f32(static_cast<uint16_t>(w[k] >> 16));
+      for (int k = 0; k < 4; ++k) raw[4 * i + k] = w[k];
+    }
+    if (a.in_dt == kBF16) {
+      V4_UNROLL
+      for (int k = 0; k < V / 2; ++k) {
+        x[2 * k] = u2f(raw[k] << 16);
+        x[2 * k + 1] = u2f(raw[k] & 0xFFFF0000u);
+      }
+    } else {
+      V4_UNROLL
+      for (int k = 0; k < V / 2; ++k) {
+        x[2 * k] = fp16_to_f32(static_cast<uint16_t>(raw[k]));
+        x[2 * k + 1] = fp16_to_f32(static_cast<uint16_t>(raw[k] >> 16));
       }
     }
   } else {

@@ -41,6 +41,9 @@
 //      words and sorts and writes them (as row_block), or, when bin b holds more than fits (a row of massive
 //      ties), runs the one-block selection on the row instead. The lists' order depends on the atomics, their contents and the
 //      sorted result do not.
+//
+// Tuning macros (dev/cuda_variants.sh): DSQ_TOPK_LOADS, the 16-byte loads a thread has in flight when it reads a
+// row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE).
 #pragma once
 
 #include <cstdint>
@@ -75,7 +78,6 @@ constexpr int kDigitsPerThread = kDigits / kThreads;
 constexpr int kScatterItems = 8;               // keys a thread holds per scatter tile
 constexpr int kScatterTile = kThreads * kScatterItems;
 static_assert(kSortWords >= DSQ_TOPK_MAX_SORT && kBinCap >= kSortWords, "sort buffer sizes");
-static_assert(kSortWords == kThreads * (DSQ_TOPK_AMD ? 16 : 8), "sort_and_write_part's register counts");
 
 TOPK_FN uint32_t order_key_bits(uint32_t b) {
   const uint32_t mag = b & 0x7FFFFFFFu;
@@ -105,9 +107,17 @@ struct alignas(16) Words16 {
   uint32_t w[4];
 };
 
+// 16-byte loads a thread issues before it uses any (for_each_key): f's shared-memory atomics and stores would
+// otherwise hold each load back until the previous one's key is used (the compiler does not move a global load
+// above a store through a pointer that may alias it).
+#ifndef DSQ_TOPK_LOADS
+#define DSQ_TOPK_LOADS 4
+#endif
+constexpr int kLoads = DSQ_TOPK_LOADS;
+
 // f(position, key) for every position of [lo, hi) of `row`, the block's threads together, in no particular order:
-// 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, several in flight
-// per thread, single keys for the unaligned head and the tail.
+// 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, kLoads in flight per
+// thread, single keys for the unaligned head and the tail.
 template <int DT, class F>
 TOPK_FN void for_each_key(const void* row, int64_t lo, int64_t hi, F f) {
   constexpr int kSize = DT == 0 ? 4 : 2;
@@ -120,11 +130,19 @@ TOPK_FN void for_each_key(const void* row, int64_t lo, int64_t hi, F f) {
   const int64_t n16 = (hi - a0) / kPer;
   for (int64_t p = lo + tid; p < a0; p += kThreads) f(p, load_key<DT>(row, p));
   const Words16* const v = reinterpret_cast<const Words16*>(base + a0 * kSize);
-  DSQ_UNROLL_N(4)
-  for (int64_t i = tid; i < n16; i += kThreads) {
-    const Words16 x = v[i];
+  for (int64_t i = tid; i < n16; i += kThreads * kLoads) {
+    Words16 x[kLoads];
     DSQ_UNROLL
-    for (int j = 0; j < kPer; ++j) f(a0 + i * kPer + j, key_in<DT>(x.w, j));
+    for (int u = 0; u < kLoads; ++u)
+      if (i + u * kThreads < n16) x[u] = v[i + u * kThreads];
+    DSQ_UNROLL
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t iu = i + u * kThreads;
+      if (iu < n16) {
+        DSQ_UNROLL
+        for (int j = 0; j < kPer; ++j) f(a0 + iu * kPer + j, key_in<DT>(x[u].w, j));
+      }
+    }
   }
   for (int64_t p = a0 + n16 * kPer + tid; p < hi; p += kThreads) f(p, load_key<DT>(row, p));
 }
@@ -399,22 +417,30 @@ TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_
   return taken;
 }
 
-// Bitonic sort, descending, of buf[0, kThreads * E) (shared memory): thread t holds elements t * E .. t * E + E - 1 in
-// registers; compare-exchange partners closer than E are in the thread, closer than 32 E in its warp (shuffles),
-// farther ones meet in shared memory.
+// Bitonic sort, descending, of buf[0, n) (shared memory; n a power of two, 32 E <= n <= kThreads E). The first n / E
+// threads (whole 32-lane groups) hold E consecutive words each in registers, thread t words t * E .. t * E + E - 1:
+// compare-exchange partners closer than E are in the thread, closer than 32 E in its 32-lane group (shuffles; the
+// direction of a thread's words is the same for all of them there), farther ones meet in shared memory, where every
+// thread of the block takes a share of the pairs. Few threads with many words each issue far fewer instructions
+// than one word pair a thread: the sort is bound by instruction issue, not by latency.
 template <int E>
-TOPK_FN void sort_desc(unsigned long long* buf) {
-  constexpr int32_t n = kThreads * E;
+TOPK_FN void sort_desc(unsigned long long* buf, int32_t n) {
   const int tid = thread_id();
+  const int32_t i0 = tid * E;
+  const bool holds = i0 < n;
   unsigned long long v[E];
   block_sync();
-  DSQ_UNROLL
-  for (int e = 0; e < E; ++e) v[e] = buf[tid * E + e];
+  if (holds) {
+    DSQ_UNROLL
+    for (int e = 0; e < E; ++e) v[e] = buf[i0 + e];
+  }
   for (int32_t size = 2; size <= n; size <<= 1) {
     int32_t stride = size >> 1;
     if (stride >= 32 * E) {
-      DSQ_UNROLL
-      for (int e = 0; e < E; ++e) buf[tid * E + e] = v[e];
+      if (holds) {
+        DSQ_UNROLL
+        for (int e = 0; e < E; ++e) buf[i0 + e] = v[e];
+      }
       for (; stride >= 32 * E; stride >>= 1) {
         block_sync();
         for (int32_t i = tid; i < n / 2; i += kThreads) {
@@ -427,16 +453,19 @@ TOPK_FN void sort_desc(unsigned long long* buf) {
         }
       }
       block_sync();
-      DSQ_UNROLL
-      for (int e = 0; e < E; ++e) v[e] = buf[tid * E + e];
+      if (holds) {
+        DSQ_UNROLL
+        for (int e = 0; e < E; ++e) v[e] = buf[i0 + e];
+      }
     }
+    if (!holds) continue;
     for (; stride >= E; stride >>= 1) {
+      // stride and size are multiples of E: the direction is that of the thread's first word
+      const bool larger = ((i0 & stride) == 0) == ((i0 & size) == 0);   // this thread keeps the larger words
       DSQ_UNROLL
       for (int e = 0; e < E; ++e) {
         const unsigned long long y = shfl_xor_u64(v[e], stride / E);
-        const int32_t i = tid * E + e;
-        const bool keep_larger = ((i & stride) == 0) == ((i & size) == 0);
-        v[e] = keep_larger ? (v[e] > y ? v[e] : y) : (v[e] < y ? v[e] : y);
+        if ((y > v[e]) == larger) v[e] = y;   // words are unique (padding zeros: either is right)
       }
     }
     DSQ_UNROLL
@@ -446,7 +475,7 @@ TOPK_FN void sort_desc(unsigned long long* buf) {
         for (int e = 0; e < E; ++e) {
           if (e & st) continue;
           const unsigned long long x = v[e], y = v[e | st];
-          if ((x < y) == (((tid * E + e) & size) == 0)) {
+          if ((x < y) == (((i0 + e) & size) == 0)) {
             v[e] = y;
             v[e | st] = x;
           }
@@ -454,14 +483,25 @@ TOPK_FN void sort_desc(unsigned long long* buf) {
       }
     }
   }
-  DSQ_UNROLL
-  for (int e = 0; e < E; ++e) buf[tid * E + e] = v[e];
+  if (holds) {
+    DSQ_UNROLL
+    for (int e = 0; e < E; ++e) buf[i0 + e] = v[e];
+  }
   block_sync();
 }
 
-// The sort length of `count` words: kThreads times a power of two.
+// Words a thread holds in the sort (sort_desc's E), twice as many for a sort longer than kThreads * kSortE.
+// NVIDIA: 4 (the sort of 2048 words on 512 threads measured faster than on 256 threads holding 8 each); AMD: 8
+// (its 256 threads sort 2048 words with 8 each, 4096 with 16).
+#ifndef DSQ_TOPK_SORT_E
+#define DSQ_TOPK_SORT_E (DSQ_TOPK_AMD ? 8 : 4)
+#endif
+constexpr int kSortE = DSQ_TOPK_SORT_E;
+static_assert(kThreads * kSortE * 2 >= DSQ_TOPK_MAX_SORT, "the largest sort fits the block");
+
+// The sort length of `count` words (1 <= count <= DSQ_TOPK_MAX_SORT): a power of two, at least 32 * kSortE.
 TOPK_FN int32_t sort_pad(int32_t count) {
-  int32_t n = kThreads;
+  int32_t n = 32 * kSortE;
   while (n < count) n <<= 1;
   return n;
 }
@@ -474,16 +514,11 @@ TOPK_FN void sort_and_write_part(const DsqTopkArgs& a, int64_t row, int32_t rel,
   const int tid = thread_id();
   const int32_t n_pad = sort_pad(count);
   for (int32_t j = count + tid; j < n_pad; j += kThreads) buf[j] = 0ull;
-  switch (n_pad / kThreads) {
-    case 1: sort_desc<1>(buf); break;
-    case 2: sort_desc<2>(buf); break;
-    case 4: sort_desc<4>(buf); break;
-    case 8: sort_desc<8>(buf); break;
-#if DSQ_TOPK_AMD
-    default: sort_desc<16>(buf); break;
-#else
-    default: break;   // count <= kSortWords = 8 * kThreads
-#endif
+  if constexpr (kThreads * kSortE >= DSQ_TOPK_MAX_SORT) {
+    sort_desc<kSortE>(buf, n_pad);
+  } else {
+    if (n_pad <= kThreads * kSortE) sort_desc<kSortE>(buf, n_pad);
+    else sort_desc<2 * kSortE>(buf, n_pad);
   }
   int32_t* const out = a.out + row * a.k;
   for (int32_t j = tid; j < count && first + j < a.k; j += kThreads)
@@ -664,8 +699,19 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   if (n_above + n_bin <= kSortWords) {
     const unsigned long long* const above_list = w.above + row * a.k;
     const unsigned long long* const bin_list = w.bins + row * kBinCap;
-    for (int j = thread_id(); j < n_above; j += kThreads) sh.sort[j] = above_list[j];
-    for (int j = thread_id(); j < n_bin; j += kThreads) sh.sort[n_above + j] = bin_list[j];
+    // every load of the thread issued before its first store (the stores would hold later loads back)
+    constexpr int kPer = kSortWords / kThreads;
+    unsigned long long words[kPer];
+    DSQ_UNROLL
+    for (int j = 0; j < kPer; ++j) {
+      const int i = thread_id() + j * kThreads;
+      words[j] = i < n_above ? above_list[i] : (i < n_above + n_bin ? bin_list[i - n_above] : 0ull);
+    }
+    DSQ_UNROLL
+    for (int j = 0; j < kPer; ++j) {
+      const int i = thread_id() + j * kThreads;
+      if (i < n_above + n_bin) sh.sort[i] = words[j];
+    }
     block_sync();
     write_row(a, row, rel, n_above, n_bin, sh);
   } else {
