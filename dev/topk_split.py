@@ -1,6 +1,7 @@
 """Times the CUDA top-k selection (kernels/cuda/topk.cu) on the bench's shapes, for tuning its plan.
 
-    python dev/topk_split.py [CHUNKS ...]
+    python dev/topk_split.py [CHUNKS ...] [LABEL]
+    TUNE="python3 dev/topk_split.py 0" dev/cuda_variants.sh "default:" "merge:-DDSQ_TOPK_MERGE=1"
 
 For each shape of dsaquant.bench_topk.SHAPES and each blocks-per-row count in CHUNKS (0: the library's own plan,
 dsq_topk_plan_chunks; 1: one block a row; default: 0 1), one Markdown row: the CUDA-graph median per call
@@ -28,8 +29,10 @@ LIB = Path(dq.__file__).with_name("libdsaquant_cuda.so")
 def main(argv: list[str]) -> None:
     lib = ctypes.CDLL(str(LIB))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plans = [int(c) for c in argv] or [0, 1]
-    print(f"copy {bench.copy_bandwidth():.0f} GB/s, HBM read {bench.hbm_read_bandwidth():.0f} GB/s, {sms} SMs\n")
+    plans = [int(c) for c in argv if c.isdigit()] or [0, 1]
+    labels = [c for c in argv if not c.isdigit()]   # dev/cuda_variants.sh passes the build's label last
+    print(f"{' '.join(labels) + ': ' if labels else ''}copy {bench.copy_bandwidth():.0f} GB/s, "
+          f"HBM read {bench.hbm_read_bandwidth():.0f} GB/s, {sms} SMs\n")
     print("| shape | k | blocks a row | µs | equal | kernels (µs each) |\n|---|---:|---:|---:|---|---|")
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     for label, rows, L, k, next_n in SHAPES:

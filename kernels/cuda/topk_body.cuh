@@ -43,7 +43,9 @@
 //      sorted result do not.
 //
 // Tuning macros (dev/cuda_variants.sh): DSQ_TOPK_LOADS, the 16-byte loads a thread has in flight when it reads a
-// row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE).
+// row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE);
+// DSQ_TOPK_MERGE=1, the merge sort (sort_desc_merge) instead of the bitonic one where its two buffers fit (off by
+// default: it has no GPU measurement).
 #pragma once
 
 #include <cstdint>
@@ -114,6 +116,9 @@ struct alignas(16) Words16 {
 #define DSQ_TOPK_LOADS 4
 #endif
 constexpr int kLoads = DSQ_TOPK_LOADS;
+#ifndef DSQ_TOPK_MERGE
+#define DSQ_TOPK_MERGE 0
+#endif
 
 // f(position, key) for every position of [lo, hi) of `row`, the block's threads together, in no particular order:
 // 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, kLoads in flight per
@@ -417,10 +422,39 @@ TOPK_FN int32_t select_segment(const void* row, int64_t start, int32_t n, int64_
   return taken;
 }
 
+// The stages of bitonic step `size` (a power of two) whose strides are below 32 E, from `stride` (a power of two
+// below 32 E) down, on a thread's E consecutive words v, the first at index i0 of the sequence (i0 and size set
+// the directions): partners closer than E are in the thread, the others in its 32-lane group (shuffles; the
+// direction of the thread's words is the same for all of them there). Every lane of the group calls it.
+template <int E>
+TOPK_FN void bitonic_in_group(unsigned long long (&v)[E], int32_t i0, int32_t size, int32_t stride) {
+  for (; stride >= E; stride >>= 1) {
+    const bool larger = ((i0 & stride) == 0) == ((i0 & size) == 0);   // this thread keeps the larger words
+    DSQ_UNROLL
+    for (int e = 0; e < E; ++e) {
+      const unsigned long long y = shfl_xor_u64(v[e], stride / E);
+      if ((y > v[e]) == larger) v[e] = y;   // words are unique (padding zeros: either is right)
+    }
+  }
+  DSQ_UNROLL
+  for (int st = E / 2; st >= 1; st >>= 1) {
+    if (st < size) {
+      DSQ_UNROLL
+      for (int e = 0; e < E; ++e) {
+        if (e & st) continue;
+        const unsigned long long x = v[e], y = v[e | st];
+        if ((x < y) == (((i0 + e) & size) == 0)) {
+          v[e] = y;
+          v[e | st] = x;
+        }
+      }
+    }
+  }
+}
+
 // Bitonic sort, descending, of buf[0, n) (shared memory; n a power of two, 32 E <= n <= kThreads E). The first n / E
-// threads (whole 32-lane groups) hold E consecutive words each in registers, thread t words t * E .. t * E + E - 1:
-// compare-exchange partners closer than E are in the thread, closer than 32 E in its 32-lane group (shuffles; the
-// direction of a thread's words is the same for all of them there), farther ones meet in shared memory, where every
+// threads (whole 32-lane groups) hold E consecutive words each in registers, thread t words t * E .. t * E + E - 1,
+// for the stages of strides below 32 E (bitonic_in_group); farther partners meet in shared memory, where every
 // thread of the block takes a share of the pairs. Few threads with many words each issue far fewer instructions
 // than one word pair a thread: the sort is bound by instruction issue, not by latency.
 template <int E>
@@ -458,36 +492,57 @@ TOPK_FN void sort_desc(unsigned long long* buf, int32_t n) {
         for (int e = 0; e < E; ++e) v[e] = buf[i0 + e];
       }
     }
-    if (!holds) continue;
-    for (; stride >= E; stride >>= 1) {
-      // stride and size are multiples of E: the direction is that of the thread's first word
-      const bool larger = ((i0 & stride) == 0) == ((i0 & size) == 0);   // this thread keeps the larger words
-      DSQ_UNROLL
-      for (int e = 0; e < E; ++e) {
-        const unsigned long long y = shfl_xor_u64(v[e], stride / E);
-        if ((y > v[e]) == larger) v[e] = y;   // words are unique (padding zeros: either is right)
-      }
-    }
-    DSQ_UNROLL
-    for (int st = E / 2; st >= 1; st >>= 1) {
-      if (st < size) {
-        DSQ_UNROLL
-        for (int e = 0; e < E; ++e) {
-          if (e & st) continue;
-          const unsigned long long x = v[e], y = v[e | st];
-          if ((x < y) == (((i0 + e) & size) == 0)) {
-            v[e] = y;
-            v[e | st] = x;
-          }
-        }
-      }
-    }
+    if (holds) bitonic_in_group<E>(v, i0, size, stride);
   }
   if (holds) {
     DSQ_UNROLL
     for (int e = 0; e < E; ++e) buf[i0 + e] = v[e];
   }
   block_sync();
+}
+
+// The merge sort (DSQ_TOPK_MERGE=1), descending, of buf[0, n) (shared memory with room for 2n words; n a power of
+// two, 32 E <= n <= kThreads E); returns buf or buf + n, whichever holds the sorted words. Runs of 32 E words are
+// sorted by one 32-lane group each (bitonic_in_group, E words a thread), then merged pairwise until one run is
+// left, every thread of the block placing words of its own: a word's place in the merged run is its index in its
+// run plus the count of the partner run's words that precede it, the larger ones (and the equal ones, padding
+// zeros, when it is in the second run: a stable merge), found by a binary search of the partner run.
+template <int E>
+TOPK_FN unsigned long long* sort_desc_merge(unsigned long long* buf, int32_t n) {
+  constexpr int32_t kRun = 32 * E;
+  const int tid = thread_id();
+  const int32_t i0 = tid * E;
+  block_sync();
+  if (i0 < n) {
+    unsigned long long v[E];
+    DSQ_UNROLL
+    for (int e = 0; e < E; ++e) v[e] = buf[i0 + e];
+    const int32_t r0 = (tid & 31) * E;   // the first word's index in its run: every run ends descending
+    for (int32_t size = 2; size <= kRun; size <<= 1) bitonic_in_group<E>(v, r0, size, size >> 1);
+    DSQ_UNROLL
+    for (int e = 0; e < E; ++e) buf[i0 + e] = v[e];
+  }
+  unsigned long long* src = buf;
+  unsigned long long* dst = buf + n;
+  for (int32_t m = kRun; m < n; m <<= 1) {
+    block_sync();
+    for (int32_t i = tid; i < n; i += kThreads) {
+      const unsigned long long x = src[i];
+      const int32_t base = i & ~(2 * m - 1);
+      const bool second = (i & m) != 0;
+      const unsigned long long* const o = src + (second ? base : base + m);   // the partner run, descending
+      int32_t c = 0;                                                          // its words before x
+      for (int32_t step = m >> 1; step >= 1; step >>= 1)
+        if (second ? o[c + step - 1] >= x : o[c + step - 1] > x) c += step;
+      c += (second ? o[c] >= x : o[c] > x) ? 1 : 0;
+      dst[base + (i & (m - 1)) + c] = x;
+    }
+    unsigned long long* const t = src;
+    src = dst;
+    dst = t;
+  }
+  block_sync();
+  return src;
 }
 
 // Words a thread holds in the sort (sort_desc's E), twice as many for a sort longer than kThreads * kSortE.
@@ -506,23 +561,31 @@ TOPK_FN int32_t sort_pad(int32_t count) {
   return n;
 }
 
-// Sorts buf[0, count) descending (shared memory with room for sort_pad(count) words; padded with 0) and writes
-// the positions of the words (minus `rel`) to outputs first, first + 1, .. of the row, those below k.
+// Sorts buf[0, count) descending (sh.sort: kSortWords words, room for the merge sort's two buffers where they fit;
+// padded with 0 to sort_pad(count)) and writes the positions of the words (minus `rel`) to outputs first, first + 1,
+// .. of the row, those below k.
 TOPK_FN void sort_and_write_part(const DsqTopkArgs& a, int64_t row, int32_t rel, unsigned long long* buf,
                                  int32_t count, int32_t first) {
   if (count == 0) return;
   const int tid = thread_id();
   const int32_t n_pad = sort_pad(count);
   for (int32_t j = count + tid; j < n_pad; j += kThreads) buf[j] = 0ull;
-  if constexpr (kThreads * kSortE >= DSQ_TOPK_MAX_SORT) {
-    sort_desc<kSortE>(buf, n_pad);
-  } else {
-    if (n_pad <= kThreads * kSortE) sort_desc<kSortE>(buf, n_pad);
-    else sort_desc<2 * kSortE>(buf, n_pad);
+  const unsigned long long* sorted = nullptr;
+  if constexpr (DSQ_TOPK_MERGE != 0) {
+    if (2 * n_pad <= kSortWords && n_pad <= kThreads * kSortE) sorted = sort_desc_merge<kSortE>(buf, n_pad);
+  }
+  if (!sorted) {
+    sorted = buf;
+    if constexpr (kThreads * kSortE >= DSQ_TOPK_MAX_SORT) {
+      sort_desc<kSortE>(buf, n_pad);
+    } else {
+      if (n_pad <= kThreads * kSortE) sort_desc<kSortE>(buf, n_pad);
+      else sort_desc<2 * kSortE>(buf, n_pad);
+    }
   }
   int32_t* const out = a.out + row * a.k;
   for (int32_t j = tid; j < count && first + j < a.k; j += kThreads)
-    out[first + j] = static_cast<int32_t>(~static_cast<uint32_t>(buf[j])) - rel;
+    out[first + j] = static_cast<int32_t>(~static_cast<uint32_t>(sorted[j])) - rel;
 }
 
 // Outputs from, from + 1, .., k - 1 of the row: -1 (the row has fewer than k candidates).
