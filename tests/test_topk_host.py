@@ -31,19 +31,23 @@ SOURCES = [REPO / "tests/cpp/topk_host.cpp", REPO / "tests/cpp/fibers.h", REPO /
 POISON = -123456
 
 
-def _build(amd: bool, merge: bool = False) -> Path:
-    flags = (("-DDSQ_TOPK_AMD=1",) if amd else ()) + (("-DDSQ_TOPK_MERGE=1",) if merge else ())
-    return host_cpp.build(SOURCES, "test_topk_host" + ("_amd" if amd else "") + ("_merge" if merge else ""),
+# The build options off by default (topk_body.cuh): the merge sort and the finish by 8 blocks a row.
+OPTIONS = ("-DDSQ_TOPK_MERGE=1", "-DDSQ_TOPK_FINISH_GROUPS=8")
+
+
+def _build(amd: bool, options: bool = False) -> Path:
+    flags = (("-DDSQ_TOPK_AMD=1",) if amd else ()) + (OPTIONS if options else ())
+    return host_cpp.build(SOURCES, "test_topk_host" + ("_amd" if amd else "") + ("_options" if options else ""),
                           "the top-k emulator", flags)
 
 
-# Each platform's configuration, and each with the merge sort (DSQ_TOPK_MERGE=1) in place of the bitonic one.
-@pytest.fixture(scope="module", params=["nvidia", "amd", "nvidia-merge", "amd-merge"])
+# Each platform's configuration, as built by default and with the build options.
+@pytest.fixture(scope="module", params=["nvidia", "amd", "nvidia-options", "amd-options"])
 def emu(request):
     if host_cpp.cxx() is None:
         pytest.skip("no C++ compiler")
     amd = request.param.startswith("amd")
-    lib = ctypes.CDLL(str(_build(amd, request.param.endswith("merge"))))
+    lib = ctypes.CDLL(str(_build(amd, request.param.endswith("options"))))
     lib.dsq_error_string.restype = ctypes.c_char_p
     lib.dsq_emu_set_order.argtypes = [ctypes.c_int, ctypes.c_uint64]
     assert lib.dsq_emu_threads() == (256 if amd else 1024)

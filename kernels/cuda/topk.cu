@@ -74,7 +74,7 @@ struct Stream {
   template <int DT>
   int row(const DsqTopkArgs& a) { return dynamic(topk_row_kernel<DT>, a.rows, a); }
   template <int DT>
-  int finish(const DsqTopkArgs& a) { return dynamic(topk_finish_kernel<DT>, a.rows, a); }
+  int finish(const DsqTopkArgs& a) { return dynamic(topk_finish_kernel<DT>, a.rows * kFinishGroups, a); }
   int memset(void* p, size_t bytes) { return static_cast<int>(cudaMemsetAsync(p, 0, bytes, stream)); }
   template <int DT>
   int hist(const DsqTopkArgs& a, int32_t chunks) {

@@ -37,15 +37,16 @@
 //      the count of keys in higher bins reaches k (none when the row has at most k candidates: all are taken),
 //      and appends the words of its keys above bin b to the row's "above" list (fewer than k) and those in bin b
 //      to its "bin" list, each tile's slots reserved with one atomic add;
-//   3. finish_block: one block per row loads both lists (their sum is at most kSortWords), keeps the k largest
-//      words and sorts and writes them (as row_block), or, when bin b holds more than fits (a row of massive
-//      ties), runs the one-block selection on the row instead. The lists' order depends on the atomics, their contents and the
-//      sorted result do not.
+//   3. finish_block: one block per row (or kFinishGroups, each for a range of digits: finish_group) loads both
+//      lists (their sum is at most kSortWords), keeps the k largest words and sorts and writes them (as
+//      row_block), or, when bin b holds more than fits (a row of massive ties), runs the one-block selection on
+//      the row instead. The lists' order depends on the atomics, their contents and the sorted result do not.
 //
 // Tuning macros (dev/cuda_variants.sh): DSQ_TOPK_LOADS, the 16-byte loads a thread has in flight when it reads a
 // row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE);
-// DSQ_TOPK_MERGE=1, the merge sort (sort_desc_merge) instead of the bitonic one where its two buffers fit (off by
-// default: it has no GPU measurement).
+// DSQ_TOPK_MERGE=1, the merge sort (sort_desc_merge) instead of the bitonic one where its two buffers fit;
+// DSQ_TOPK_FINISH_GROUPS=G, the few-long-rows finish by G blocks a row, each sorting the words of a range of digits
+// (finish_group). The last two are off by default: they have no GPU measurement.
 #pragma once
 
 #include <cstdint>
@@ -119,6 +120,10 @@ constexpr int kLoads = DSQ_TOPK_LOADS;
 #ifndef DSQ_TOPK_MERGE
 #define DSQ_TOPK_MERGE 0
 #endif
+#ifndef DSQ_TOPK_FINISH_GROUPS
+#define DSQ_TOPK_FINISH_GROUPS 1
+#endif
+constexpr int kFinishGroups = DSQ_TOPK_FINISH_GROUPS;   // blocks a row of the few-long-rows finish
 
 // f(position, key) for every position of [lo, hi) of `row`, the block's threads together, in no particular order:
 // 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, kLoads in flight per
@@ -750,16 +755,101 @@ TOPK_FN void scatter_block(const DsqTopkArgs& a, int32_t chunks, int64_t bid, Ch
   }
 }
 
-// Few long rows, step 3: both lists sorted together and the first k written; a threshold bin too full for the
-// sort buffer falls back to the one-block selection of the row.
+// The output slot of each digit's first word into offs[kDigits] (shared memory): the count of the words selected
+// from higher digits, every key of a digit above th.digit and `want` of th.digit's (none below it). Every thread
+// calls it; offs is valid on return.
+TOPK_FN void digit_offsets(const int* h, const Threshold& th, int want, int* offs, ScanShared& scan) {
+  const int tid = thread_id();
+  int v[kDigitsPerThread];   // thread t holds digits kDigits - 1 - (t * kDigitsPerThread + j), from the top
+  int sum = 0;
+  DSQ_UNROLL
+  for (int j = 0; j < kDigitsPerThread; ++j) {
+    const int d = kDigits - 1 - (tid * kDigitsPerThread + j);
+    v[j] = d > th.digit ? h[d] : (d == th.digit ? want : 0);
+    sum += v[j];
+  }
+  unsigned long long total;
+  int before = static_cast<int>(scan_block_exclusive(static_cast<unsigned long long>(sum), scan, total));
+  DSQ_UNROLL
+  for (int j = 0; j < kDigitsPerThread; ++j) {
+    offs[kDigits - 1 - (tid * kDigitsPerThread + j)] = before;
+    before += v[j];
+  }
+  block_sync();
+}
+
+// Few long rows, step 3, with kFinishGroups blocks a row (DSQ_TOPK_FINISH_GROUPS): group g of the row's output
+// slots [0, total) is its g-th of kFinishGroups equal parts; a digit belongs to the group of its first slot, so
+// each block gathers the words of its digits from the above list (and the bin list, in the group of the threshold
+// digit, whose want largest it selects), sorts them and writes them from its group's first slot on.
+TOPK_FN void finish_group(const DsqTopkArgs& a, int64_t row, int group, int32_t rel, const Workspace& w,
+                          int n_above, int n_bin, Shared& sh) {
+  const int tid = thread_id();
+  const int* const hist = w.hist + row * kDigits;
+  threshold_bin(hist, a.k, sh.scan, sh.th);
+  const Threshold th = sh.th;
+  const int want = th.digit < 0 ? 0 : static_cast<int>(a.k) - th.above;   // taken from the threshold digit
+  const int total = th.digit < 0 ? th.above : static_cast<int>(a.k);      // the row's selected words
+  if (group == 0) pad_row(a, row, total);
+  if (total == 0) return;
+  digit_offsets(hist, th, want, sh.digits, sh.scan);
+  const int* const offs = sh.digits;
+  const auto group_of = [offs, total](int d) {
+    return static_cast<int>(static_cast<int64_t>(offs[d]) * kFinishGroups / total);
+  };
+  if (tid == 0) {
+    sh.fill[0] = 0;   // the group's words gathered
+    sh.fill[1] = 0;   // its first slot: the words of the groups before it
+  }
+  block_sync();
+  int before = 0;
+  for (int d = tid; d < kDigits; d += kThreads) {
+    const int sel = d > th.digit ? hist[d] : (d == th.digit ? want : 0);
+    if (sel > 0 && group_of(d) < group) before += sel;
+  }
+  if (before) shared_add(&sh.fill[1], before);
+  const unsigned long long* const above_list = w.above + row * a.k;
+  for (int i = tid; i < n_above; i += kThreads) {
+    const unsigned long long word = above_list[i];
+    if (group_of(static_cast<int>(word >> (64 - kDigitBits))) == group) sh.sort[shared_add(&sh.fill[0], 1)] = word;
+  }
+  block_sync();
+  const int n_mine = sh.fill[0], first = sh.fill[1];
+  const bool has_bin = th.digit >= 0 && group_of(th.digit) == group;
+  block_sync();   // offs and fill are reused by select_words
+  int32_t n = n_mine;
+  if (has_bin) {
+    const unsigned long long* const bin_list = w.bins + row * kBinCap;
+    for (int i = tid; i < n_bin; i += kThreads) sh.sort[n_mine + i] = bin_list[i];
+    block_sync();
+    if (n_bin > want) select_words(sh.sort + n_mine, n_bin, want, sh);
+    n += want;
+  }
+  sort_and_write_part(a, row, rel, sh.sort, n, first);
+}
+
+// Few long rows, step 3: block `bid` finishes group bid % kFinishGroups of row bid / kFinishGroups (one block a row
+// by default: both lists sorted together and the first k written). A threshold bin too full for the sort buffer
+// falls back to the one-block selection of the row, by its first block.
 template <int DT>
-TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
+TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t bid, Shared& sh) {
+  const int64_t row = bid / kFinishGroups;
+  const int group = static_cast<int>(bid - row * kFinishGroups);
   int64_t start, end;
   row_span(a, row, start, end);
   const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
   const Workspace w = workspace_of(a.workspace, a.rows, a.k);
   const int n_above = w.counts[row * 2], n_bin = w.counts[row * 2 + 1];
-  if (n_above + n_bin <= kSortWords) {
+  if (n_above + n_bin > kSortWords) {
+    if (group != 0) return;
+    const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
+    block_sync();
+    write_row(a, row, rel, taken, 0, sh);
+    return;
+  }
+  if constexpr (kFinishGroups > 1) {
+    finish_group(a, row, group, rel, w, n_above, n_bin, sh);
+  } else {
     const unsigned long long* const above_list = w.above + row * a.k;
     const unsigned long long* const bin_list = w.bins + row * kBinCap;
     // every load of the thread issued before its first store (the stores would hold later loads back)
@@ -777,10 +867,6 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
     }
     block_sync();
     write_row(a, row, rel, n_above, n_bin, sh);
-  } else {
-    const int32_t taken = select_segment<DT>(row_ptr(a, row), start, static_cast<int32_t>(end - start), a.k, sh);
-    block_sync();
-    write_row(a, row, rel, taken, 0, sh);
   }
 }
 

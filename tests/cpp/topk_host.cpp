@@ -63,7 +63,7 @@ struct Host {
   }
   template <int DT>
   int finish(const DsqTopkArgs& a) {
-    run_grid<dsqtopk::Shared>(a.rows, dsqtopk::kThreads,
+    run_grid<dsqtopk::Shared>(a.rows * dsqtopk::kFinishGroups, dsqtopk::kThreads,
                                    [&](int64_t b, dsqtopk::Shared& sh) { dsqtopk::finish_block<DT>(a, b, sh); });
     return 0;
   }
