@@ -117,6 +117,9 @@ struct alignas(16) Words16 {
 #define DSQ_TOPK_LOADS 4
 #endif
 constexpr int kLoads = DSQ_TOPK_LOADS;
+// The same in row_block's second read (collecting the candidates), at most 3: with 4 the row kernel's registers
+// spill on sm_90a (its 1024 threads have 64 each).
+constexpr int kCollectLoads = kLoads < 3 ? kLoads : 3;
 #ifndef DSQ_TOPK_MERGE
 #define DSQ_TOPK_MERGE 0
 #endif
@@ -126,9 +129,9 @@ constexpr int kLoads = DSQ_TOPK_LOADS;
 constexpr int kFinishGroups = DSQ_TOPK_FINISH_GROUPS;   // blocks a row of the few-long-rows finish
 
 // f(position, key) for every position of [lo, hi) of `row`, the block's threads together, in no particular order:
-// 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, kLoads in flight per
+// 16-byte loads (four fp32 or eight 16-bit keys) from the first 16-byte aligned position on, LOADS in flight per
 // thread, single keys for the unaligned head and the tail.
-template <int DT, class F>
+template <int DT, int LOADS = kLoads, class F>
 TOPK_FN void for_each_key(const void* row, int64_t lo, int64_t hi, F f) {
   constexpr int kSize = DT == 0 ? 4 : 2;
   constexpr int kPer = 16 / kSize;
@@ -140,13 +143,13 @@ TOPK_FN void for_each_key(const void* row, int64_t lo, int64_t hi, F f) {
   const int64_t n16 = (hi - a0) / kPer;
   for (int64_t p = lo + tid; p < a0; p += kThreads) f(p, load_key<DT>(row, p));
   const Words16* const v = reinterpret_cast<const Words16*>(base + a0 * kSize);
-  for (int64_t i = tid; i < n16; i += kThreads * kLoads) {
-    Words16 x[kLoads];
+  for (int64_t i = tid; i < n16; i += kThreads * LOADS) {
+    Words16 x[LOADS];
     DSQ_UNROLL
-    for (int u = 0; u < kLoads; ++u)
+    for (int u = 0; u < LOADS; ++u)
       if (i + u * kThreads < n16) x[u] = v[i + u * kThreads];
     DSQ_UNROLL
-    for (int u = 0; u < kLoads; ++u) {
+    for (int u = 0; u < LOADS; ++u) {
       const int64_t iu = i + u * kThreads;
       if (iu < n16) {
         DSQ_UNROLL
@@ -672,7 +675,7 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
     }
     block_sync();
     const int digit = th.digit;
-    for_each_key<DT>(src, start, end, [&sh, digit](int64_t p, uint32_t key) {
+    for_each_key<DT, kCollectLoads>(src, start, end, [&sh, digit](int64_t p, uint32_t key) {
       const int d = static_cast<int>(key >> kDigitShift);
       if (key != 0u && d >= digit) sh.sort[shared_add(&sh.fill[d > digit ? 0 : 1], 1)] = word_of(key, p);
     });
