@@ -192,16 +192,19 @@ def test_aiter_pages_across_tiles_are_left_to_triton(lib):
     assert bool((out == UNTOUCHED).all())
 
 
-def test_dual_sets_of_128_rows():
-    """The accumulator arrangement DSQ_SCORER_DUAL_MAX_ROWS=128 selects for tiles of 128 q rows (two sets of 128
-    rows) gives the same logits."""
-    flags = ("-DDSQ_SCORER_DUAL_MAX_ROWS=128",)
+@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_DUAL_MAX_ROWS=128",),
+                                   ("-DDSQ_SCORER_STAGES_FP8=6", "-DDSQ_SCORER_STAGES_FP4=8")],
+                         ids=["dual-128-rows", "deeper-pipelines"])
+def test_build_variants(flags):
+    """The build variants give the same logits: two accumulator sets of 128 q rows (DSQ_SCORER_DUAL_MAX_ROWS=128),
+    and more tile pairs in flight (DSQ_SCORER_STAGES_*: the stage ring wraps at another count, more copy groups
+    pending), over contexts of many pairs and splits that end inside the ring."""
     lib = load(flags)
     for layout in LAYOUTS:
-        for (H, N) in ((64, 2), (128, 1), (16, 7)):
-            a = make(layout, 2, N, H, 200, seed=H + N, ctx_form="2d" if N > 1 else "1d")
-            out, _ = emulate(lib, a, layout, 64)
-            check(out, a, layout, 64, f"{flags} {layout} H={H} N={N}")
+        for (H, N, ctx, splits) in ((64, 2, 200, 0), (128, 1, 900, 2), (16, 7, 700, 3)):
+            a = make(layout, 2, N, H, ctx, seed=H + N, ctx_form="2d" if N > 1 else "1d")
+            out, _ = emulate(lib, a, layout, 64, splits=splits)
+            check(out, a, layout, 64, f"{flags} {layout} H={H} N={N} splits={splits}")
 
 
 @pytest.mark.parametrize("layout", ["packed68", "aiter_fp4"])

@@ -66,12 +66,19 @@ namespace dsqsc {
 
 constexpr int kThreads = 128;
 constexpr int kTile = 64;          // KV positions per tile: the product's M side
-#ifndef DSQ_SCORER_STAGES
-#define DSQ_SCORER_STAGES 4
+// Tile stages in shared memory, per key format: pairs of tiles, stages / 2 - 1 pairs in flight ahead of the one
+// computed. More stages measured slower on the H100 (dev/tune_scorer.py): FP4 with 6 or 8 (packed68 at (64, 1,
+// 8192) 34.3 µs against 31.5; the FP4 tiles are bound by their expansion, not by the bytes in flight), fp8_132
+// with 6 (31.1 against 29.6).
+#ifndef DSQ_SCORER_STAGES_FP8
+#define DSQ_SCORER_STAGES_FP8 4
 #endif
-constexpr int kStages = DSQ_SCORER_STAGES;   // tile stages in shared memory: pairs of tiles, kAhead + 1 pairs
-constexpr int kAhead = kStages / 2 - 1;      // pairs in flight ahead of the one computed
-static_assert(kStages % 2 == 0 && kAhead >= 1, "DSQ_SCORER_STAGES: an even number >= 4");
+#ifndef DSQ_SCORER_STAGES_FP4
+#define DSQ_SCORER_STAGES_FP4 4
+#endif
+DSQ_HD constexpr int stages_of(bool fp4) { return fp4 ? DSQ_SCORER_STAGES_FP4 : DSQ_SCORER_STAGES_FP8; }
+static_assert(DSQ_SCORER_STAGES_FP8 % 2 == 0 && DSQ_SCORER_STAGES_FP8 >= 4, "DSQ_SCORER_STAGES_FP8: an even number >= 4");
+static_assert(DSQ_SCORER_STAGES_FP4 % 2 == 0 && DSQ_SCORER_STAGES_FP4 >= 4, "DSQ_SCORER_STAGES_FP4: an even number >= 4");
 // The widest tile (query rows) that keeps two accumulator sets (the second tile's product overlaps the first's
 // epilogue); wider tiles keep one set, which leaves room for more resident blocks. 128 is a variant to time
 // (dev/cuda_variants.sh).
@@ -90,6 +97,7 @@ struct SmemPlan {
   int q, k, raw, scales, lut, w, pages, bad, total;
 };
 DSQ_HD SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
+  const int kStages = stages_of(fp4);
   SmemPlan s{};
   s.q = 0;
   s.k = nt * 128;                                      // a multiple of 1024 (nt >= 16)
@@ -217,6 +225,8 @@ template <int H, int NQ, bool FP4>
 SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group, int64_t b, int tiles_per_block,
                               int n_pages, int p_shift, uint8_t* smem) {
   constexpr int NT = H * NQ;
+  constexpr int kStages = stages_of(FP4);
+  constexpr int kAhead = kStages / 2 - 1;   // pairs in flight ahead of the one computed
   const SmemPlan plan = smem_plan(NT, FP4, n_pages);
   uint8_t* sq = smem + plan.q;
   float* sw = reinterpret_cast<float*>(smem + plan.w);
