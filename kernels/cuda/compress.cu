@@ -9,8 +9,8 @@
 //   kRangeWarp for K <= 8 and D = 128); the ring ordering argument is in compress_body.cuh. Static shared memory:
 //   CompressSmem (2 KB).
 // rope_rotate_quant: one launch, 128 threads a block, D/V lanes a (t, h) row (rotate_body.cuh); template <D, V, MODE>:
-//   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 128 for
-//   D = 128 and 64 for wider rows (DSQ_ROTATE_V_LARGE_128 / _WIDE), one instance per output mode. Static shared
+//   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 64
+//   (DSQ_ROTATE_V_LARGE_128 for D = 128, _WIDE for wider rows), one instance per output mode. Static shared
 //   memory: RotateSmem (the block's RoPE table, 2 KB).
 // Built with --fmad=false and without fast math (tools/build_native.py; SPEC §0.1).
 #include "compress.h"

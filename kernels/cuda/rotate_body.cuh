@@ -10,7 +10,7 @@
 // Blocks have kThreads = 128 threads here (not compress_kv's 256). All format math is the shared header's.
 //
 // Layout. A row (t, h) of D values is held by a group of L = D/V consecutive lanes, V values a lane (V = 16 or 32
-// for small calls, 128 for large ones: rotate_plan). Lane l of the group loads x[V*l .. V*l + V-1] (16-byte vector
+// for small calls, 64 for large ones: rotate_plan). Lane l of the group loads x[V*l .. V*l + V-1] (16-byte vector
 // loads where the rows are 16-byte aligned), so the Hadamard's strides 1 .. V/2 (SPEC §5, ascending) are inside the
 // lane; each stride V*2^r (r = 0 .. log2(L)-1) is one exchange between lanes l and l ^ 2^r in which each lane sends
 // half of its values and keeps the other half: the lane whose bit r is 0 keeps its first half (element bit
@@ -475,8 +475,8 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
 // =========================================================================================================
 // Host side: the launch's shape (the CUDA and HIP launcher and the emulator use the same).
 // =========================================================================================================
-#ifndef DSQ_ROTATE_V_LARGE_128      // values a lane for large calls, D = 128 (128: a row is one thread)
-#define DSQ_ROTATE_V_LARGE_128 128
+#ifndef DSQ_ROTATE_V_LARGE_128      // values a lane for large calls, D = 128 (two lanes a row: measured faster
+#define DSQ_ROTATE_V_LARGE_128 64   // than one at T = 1024 and 8192, H = 64, within 2 % at T = 32768)
 #endif
 #ifndef DSQ_ROTATE_V_LARGE_WIDE     // the same for D >= 256 (64: with 128, the exchanges' shuffles spill registers)
 #define DSQ_ROTATE_V_LARGE_WIDE 64
