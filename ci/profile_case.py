@@ -4,8 +4,8 @@ profiles the second (warm) call's main kernel.
 
 Writers (H = 64, T = 8192 unless given): fp8, fp4 (indexer_qk_rope_quant_and_cache), qpack (index_q_rope_pack_weights),
 rotate (rope_rotate_quant, D = 128, into FP4).
-Read side (the bench's shapes): topk64 (top-2048 of [64, 65536] fp32: the one-block-a-row kernel), topk4 (of
-[4, 163840]: the finish kernel of the few-long-rows path), scorer_fp8_132 / scorer_packed68 / scorer_aiter_fp4
+Read side (the bench's shapes): topk64 (top-2048 of [64, 65536] fp32), topk4 (of [4, 163840]): on sm_90 both the
+cached-row kernel, in clusters of 2 and 8 blocks a row, scorer_fp8_132 / scorer_packed68 / scorer_aiter_fp4
 (paged_mqa_logits, batch 64, next_n 1, context 8192, full), prefill_fp8 / prefill_fp4 (mqa_logits, S = 2048,
 SKV = 8192, full ranges: the CUDA kernel; FP4's Triton passes do not match KERNELS).
 """
@@ -17,7 +17,7 @@ import dsaquant as dq
 from dsaquant import testing as tt
 
 # The kernels a case profiles (ncu --kernel-name regex): one launch a call matches.
-KERNELS = "indexer_kernel|qpack_kernel|rope_rotate_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
+KERNELS = "indexer_kernel|qpack_kernel|rope_rotate_kernel|topk_cache_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
 
 what = sys.argv[1] if len(sys.argv) > 1 else "fp8"
 if what == "--kernels":

@@ -55,6 +55,13 @@ def topk_cases():
         ctx = torch.tensor([3000, -5, 9999], dtype=torch.int32, device=dev)
         topk_indices(logits, k, context_lens=ctx, next_n=2, backend=on("topk_indices"))
     topk_indices(torch.empty(0, 3000, device=dev), 16, ks=ks[:0], ke=ke[:0], backend=on("topk_indices"))
+    # rows of 70000: on NVIDIA sm_90 the cached-row path in clusters of four blocks (spans across the blocks' parts)
+    long = torch.randn(3, 70000, device=dev, generator=g)
+    long[1, 30000:40000] = 0.25
+    lks = torch.tensor([0, 100, 69000], dtype=torch.int32, device=dev)
+    lke = torch.tensor([70000, 50000, 80000], dtype=torch.int32, device=dev)
+    for k in (64, 2048):
+        topk_indices(long, k, ks=lks, ke=lke, backend=on("topk_indices"))
 
 
 def prefill_cases():

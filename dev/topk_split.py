@@ -4,7 +4,7 @@
     TUNE="python3 dev/topk_split.py 0" dev/cuda_variants.sh "default:" "merge:-DDSQ_TOPK_MERGE=1"
 
 For each shape of dsaquant.bench_topk.SHAPES and each blocks-per-row count in CHUNKS (0: the library's own plan,
-dsq_topk_plan_chunks; 1: one block a row; default: 0 1), one Markdown row: the CUDA-graph median per call
+dsq_topk_plan_chunks; 1: one block a row; -C: the cached-row path in clusters of C blocks; default: 0 1), one Markdown row: the CUDA-graph median per call
 (bench.time_graph, four input sets), whether the result equals the reference, and the device time of each kernel
 of the call (memset, histogram, scatter, finish or the one-block kernel) from the torch profiler. The copy and HBM
 read rates of the same run head the table. Needs a GPU and the built library (python/dsaquant/libdsaquant_cuda.so).
@@ -29,8 +29,11 @@ LIB = Path(dq.__file__).with_name("libdsaquant_cuda.so")
 def main(argv: list[str]) -> None:
     lib = ctypes.CDLL(str(LIB))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plans = [int(c) for c in argv if c.isdigit()] or [0, 1]
-    labels = [c for c in argv if not c.isdigit()]   # dev/cuda_variants.sh passes the build's label last
+    plans = [int(c) for c in argv if c.lstrip("-").isdigit()] or [0, 1]
+    labels = [c for c in argv if not c.lstrip("-").isdigit()]   # dev/cuda_variants.sh passes the build's label last
+    plan_of = lib.dsq_topk_plan_chunks
+    plan_of.restype = ctypes.c_int32
+    plan_of.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     print(f"{' '.join(labels) + ': ' if labels else ''}copy {bench.copy_bandwidth():.0f} GB/s, "
           f"HBM read {bench.hbm_read_bandwidth():.0f} GB/s, {sms} SMs\n")
     print("| shape | k | blocks a row | µs | equal | kernels (µs each) |\n|---|---:|---:|---:|---|---|")
@@ -43,7 +46,7 @@ def main(argv: list[str]) -> None:
             ctx = torch.full((rows // next_n,), L, dtype=torch.int32, device="cuda")
             sets.append((x, ctx, torch.full((rows, k), -7, dtype=torch.int32, device="cuda")))
         for plan in plans:
-            chunks = plan if plan > 0 else topk_abi.plan_chunks(rows, L, k, sms)
+            chunks = plan if plan != 0 else plan_of(rows, L, k, sms)
             ws = torch.empty(max(1, topk_abi.workspace_bytes(rows, L, k, chunks)), dtype=torch.uint8, device="cuda")
             args = [topk_abi.make_args(x, k, ctx, next_n, None, None, False, out, workspace=ws, chunks=chunks)
                     for x, ctx, out in sets]

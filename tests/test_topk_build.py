@@ -68,14 +68,17 @@ def test_host_functions_match_the_mirror(built):
     plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     ws.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     for rows in (0, 1, 4, 16, 64, 131, 132, 500):
-        for L in (0, 100, 16384, 65536, 163840):
+        for L in (0, 100, 16384, 65536, 163840, 262144, 262145, 400000):
             for k in (1, 512, 2048, 5000):
                 for sms in (78, 132, 304):
                     assert plan(rows, L, k, sms) == topk_abi.plan_chunks(rows, L, k, sms), (rows, L, k, sms)
                 for chunks in (0, 1, 3, 8, 40):
                     assert ws(rows, L, k, chunks) == topk_abi.workspace_bytes(rows, L, k, chunks)
-    assert plan(64, 65536, 2048, 132) == 1 and plan(44, 65536, 2048, 132) == 3   # 3 blocks a row fill a wave
-    assert plan(4, 163840, 2048, 132) == 33 and plan(16, 65536, 2048, 132) == 8
+    # the cached-row path while 8 blocks' caches hold a row, in clusters of the fewest blocks that do
+    assert plan(64, 65536, 2048, 132) == -2 and plan(500, 32768, 2048, 132) == -1
+    assert plan(4, 163840, 2048, 132) == -8 and plan(4, 262145, 2048, 132) == 33
+    # past that: one block a row, or few long rows (3 blocks a row fill a wave)
+    assert plan(200, 300000, 2048, 132) == 1 and plan(44, 300000, 2048, 132) == 3
     # refused before any CUDA call: no device is touched here
     x = torch.zeros(4, 10)
     ks = torch.zeros(4, dtype=torch.int32)

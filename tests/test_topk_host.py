@@ -136,6 +136,20 @@ CASES = {
     "k-past-row": (3, 3000, 4000, "randn", "prefill", 1, torch.float32, 2),
     "bf16": (2, 16000, 1000, "ties", "decode", 1, torch.bfloat16, 3),
     "fp16": (2, 16000, 1000, "specials", "prefill", 1, torch.float16, 3),
+    # the cached-row path (chunks = -blocks; AMD: one block a row): clusters of 1 to 8 blocks, each block's part
+    # of the row cached, the words collected into the first block's lists
+    "randn-cached-one-block": (4, 24000, 512, "randn", "decode", 1, torch.float32, -1),
+    "ties-cached-2": (3, 30000, 700, "ties", "prefill", 1, torch.float32, -2),
+    "zeros-cached-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, -2),
+    "specials-cached-4-mtp2": (4, 10000, 600, "specials", "decode", 2, torch.float32, -4),
+    "lsb-cached-8": (2, 12000, 300, "lsb", "decode", 1, torch.float32, -8),
+    "k2048-cached-planned": (2, 40000, 2048, "randn", "decode", 1, torch.float32, None),
+    "ties-big-sort-cached": (2, 60000, 3000, "ties", "decode", 1, torch.float32, -2),
+    "decode2d-cached-mtp3": (6, 9000, 256, "specials", "decode2d", 3, torch.float32, -2),
+    "bf16-cached": (2, 16000, 1000, "ties", "decode", 1, torch.bfloat16, -2),
+    "fp16-cached": (2, 16000, 1000, "specials", "prefill", 1, torch.float16, -4),
+    # a cluster too small for the row: one block a row instead
+    "cached-too-few-blocks": (2, 40000, 700, "randn", "prefill", 1, torch.float32, -1),
 }
 
 
@@ -145,9 +159,12 @@ def test_emulated_kernel_equals_reference(emu, name, relative):
     rows, L, k, kind, form, next_n, dtype, chunks = CASES[name]
     x = logits_of(rows, L, kind, seed=len(name), dtype=dtype)
     kw = dict(spans(rows, L, form, seed=len(name), next_n=next_n), relative=relative)
-    if chunks == 0:
-        chunks = topk_abi.plan_chunks(rows, L, k, 132)
+    if chunks == 0:     # the few-long-rows plan (a build without the cached-row path)
+        chunks = topk_abi.plan_chunks(rows, L, k, 132, cache_keys=0)
         assert chunks > 1
+    elif chunks is None:   # the NVIDIA build's plan: the cached-row path
+        chunks = topk_abi.plan_chunks(rows, L, k, 132)
+        assert chunks == -2
     check(emu, x, k, kw, chunks)
 
 
@@ -194,13 +211,21 @@ def test_bad_arguments_write_nothing(emu):
     assert rc == 0 and bool((out == -1).all())
 
 
-def test_plan_and_workspace_mirror():
-    for rows, L, k, sms in ((64, 65536, 2048, 132), (4, 163840, 2048, 132), (16, 65536, 512, 78), (200, 65536, 2048, 132)):
-        lib = ctypes.CDLL(str(_build(False)))
-        plan, wsb = lib.dsq_topk_plan_chunks, lib.dsq_topk_workspace_bytes
-        plan.restype, wsb.restype = ctypes.c_int32, ctypes.c_int64
-        plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
-        wsb.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+@pytest.mark.parametrize("amd", [False, True], ids=["nvidia", "amd"])
+def test_plan_and_workspace_mirror(amd):
+    """The library's plan and workspace size equal topk_abi's mirrors, with the platform's cached-row keys (the
+    NVIDIA build's plan takes the cached-row path up to 8 blocks' caches, AMD's never)."""
+    lib = ctypes.CDLL(str(_build(amd)))
+    plan, wsb = lib.dsq_topk_plan_chunks, lib.dsq_topk_workspace_bytes
+    plan.restype, wsb.restype = ctypes.c_int32, ctypes.c_int64
+    plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    wsb.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    keys = 0 if amd else topk_abi.CACHE_KEYS
+    for rows, L, k, sms in ((64, 65536, 2048, 132), (4, 163840, 2048, 132), (16, 65536, 512, 78),
+                            (200, 65536, 2048, 132), (4, 300000, 2048, 132), (8, 32768, 2048, 132),
+                            (8, 32769, 2048, 132), (3, 1000, 10, 132)):
         c = plan(rows, L, k, sms)
-        assert c == topk_abi.plan_chunks(rows, L, k, sms)
+        assert c == topk_abi.plan_chunks(rows, L, k, sms, cache_keys=keys), (rows, L, k)
         assert wsb(rows, L, k, c) == topk_abi.workspace_bytes(rows, L, k, c)
+        if not amd:
+            assert c == (-(1 << max(0, (L - 1) // topk_abi.CACHE_KEYS).bit_length()) if L <= 8 * 32768 else c)

@@ -1,10 +1,13 @@
 // kernels/cuda/topk.cu: top-k positions per row of a logits matrix (docs/topk.md), byte-identical to the
 // reference (python/dsaquant/reference/topk.py) and the Triton kernel. The algorithm is topk_body.cuh (shared
 // with the host emulator of the tests); this file supplies the SIMT layer (thread id, block barrier, 32-lane
-// shuffles, atomic adds), the kernels, their launches and the C interface (topk.h).
+// shuffles, atomic adds, and on NVIDIA the cluster barrier and addresses of another block's shared memory), the
+// kernels, their launches and the C interface (topk.h).
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
+#include <mutex>
 
 #if defined(__HIP__)
 #define DSQ_TOPK_AMD 1
@@ -24,6 +27,25 @@ __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v,
 }
 __device__ __forceinline__ int shared_add(int* p, int v) { return atomicAdd(p, v); }
 __device__ __forceinline__ int global_add(int* p, int v) { return atomicAdd(p, v); }
+#if !defined(__HIP__)
+// Cluster layer (sm_90 on; only cache_block uses it, and only in clusters launched as such): the barrier of
+// every thread of the cluster, with release / acquire ordering of shared-memory accesses across its blocks, and
+// the address in block r's shared memory of the object at p in the caller's (distributed shared memory).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+template <class T>
+__device__ __forceinline__ T* cluster_peer(T* p, int r) {
+  T* q;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(q) : "l"(p), "r"(r));
+  return q;
+}
+__device__ __forceinline__ int cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return static_cast<int>(r);
+}
+#endif
 
 }  // namespace dsqtopk
 
@@ -41,6 +63,41 @@ template <int DT>
 __global__ void __launch_bounds__(kThreads, 1) topk_row_kernel(const DsqTopkArgs a) {
   row_block<DT>(a, blockIdx.x, dynamic_shared());
 }
+
+#if DSQ_TOPK_CACHE_KEYS > 0
+// Clusters of `blocks` blocks a row (a plain launch for one); the body exists in sm_90 code and later only
+// (cache_supported checks that the device runs such code).
+template <int DT, bool ADD>
+__global__ void __launch_bounds__(kThreads, 1) topk_cache_kernel(const DsqTopkArgs a, int blocks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char dsq_topk_smem[];
+  const int rank = blocks > 1 ? cluster_rank() : 0;
+  cache_block<DT, ADD>(a, blockIdx.x / blocks, rank, blocks, *reinterpret_cast<CacheShared*>(dsq_topk_smem));
+#endif
+}
+
+// Whether the current device runs the cached-row kernel: compute capability 9.0 or later and a kernel compiled
+// for it from sm_90 code or later (not from the compute_80 PTX, where the body is empty). Read once per device.
+bool cache_supported() {
+  constexpr int kDevices = 64;
+  static std::once_flag once[kDevices];
+  static bool ok[kDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
+    static_cast<void>(cudaGetLastError());
+    return false;
+  }
+  std::call_once(once[dev], [dev] {
+    int major = 0;
+    cudaFuncAttributes attr{};
+    ok[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
+              cudaFuncGetAttributes(&attr, topk_cache_kernel<0, false>) == cudaSuccess && attr.binaryVersion >= 90 &&
+              attr.ptxVersion >= 90;
+    static_cast<void>(cudaGetLastError());
+  });
+  return ok[dev];
+}
+#endif
 
 template <int DT>
 __global__ void __launch_bounds__(kThreads) topk_hist_kernel(const DsqTopkArgs a, int32_t chunks) {
@@ -75,6 +132,37 @@ struct Stream {
   int row(const DsqTopkArgs& a) { return dynamic(topk_row_kernel<DT>, a.rows, a); }
   template <int DT>
   int finish(const DsqTopkArgs& a) { return dynamic(topk_finish_kernel<DT>, a.rows * kFinishGroups, a); }
+#if DSQ_TOPK_CACHE_KEYS > 0
+  // -1 where the device cannot run it (run() then takes one block a row): no sm_90 code for it, a grid past
+  // 2^31 - 1 blocks, or a launch refused for its resources (clusters of blocks of 1024 threads and ~210 KB of
+  // shared memory each).
+  template <int DT>
+  int cache(const DsqTopkArgs& a, int blocks) {
+    if (!cache_supported() || a.rows > INT32_MAX / blocks) return -1;
+    auto kernel = cache_adds(blocks) ? topk_cache_kernel<DT, true> : topk_cache_kernel<DT, false>;
+    if (cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             sizeof(CacheShared)) != cudaSuccess) {
+      static_cast<void>(cudaGetLastError());
+      return -1;
+    }
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(a.rows * blocks));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = sizeof(CacheShared);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(blocks);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = blocks > 1 ? 1 : 0;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a, blocks);
+    if (e == cudaSuccess) return 0;
+    static_cast<void>(cudaGetLastError());
+    return -1;
+  }
+#endif
   int memset(void* p, size_t bytes) { return static_cast<int>(cudaMemsetAsync(p, 0, bytes, stream)); }
   template <int DT>
   int hist(const DsqTopkArgs& a, int32_t chunks) {

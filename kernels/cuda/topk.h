@@ -33,8 +33,10 @@ typedef struct DsqTopkArgs {
   int32_t logits_dtype;
   int32_t index_dtype;       /* 3 int32, 4 int64 */
   int32_t relative;          /* nonzero: positions minus the row's clamped start */
-  int32_t chunks;            /* blocks per row: <= 1 one block a row; > 1 the few-long-rows path
-                                (histogram, scatter, finish; dsq_topk_plan_chunks), at most 1024 */
+  int32_t chunks;            /* blocks per row (dsq_topk_plan_chunks): 0 or 1 one block a row; > 1 the
+                                few-long-rows path (histogram, scatter, finish), at most 1024; -C the
+                                cached-row path in clusters of C blocks (C = 1, 2, 4 or 8 with C * 32768 >= L;
+                                NVIDIA sm_90 on), one block a row where it cannot run */
 } DsqTopkArgs;
 
 /* Launches the selection on `stream` (a cudaStream_t). Returns a cudaError_t code: cudaSuccess (0), or
@@ -46,8 +48,10 @@ int dsq_topk_indices(const DsqTopkArgs* a, void* stream);
  * int counters, then k + 8192 8-byte words. It is cleared by the call itself (an async memset on `stream`). */
 int64_t dsq_topk_workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunks);
 
-/* Blocks per row for a device with `sms` multiprocessors: 1 unless the rows are fewer than the SMs and at least
- * 8k long; then one block per SM in all, at least 4096 keys a block and at least 2. Host only. */
+/* Blocks per row for a device with `sms` multiprocessors. NVIDIA build, L <= 262144: -C, the cached-row path in
+ * clusters of the fewest C (1, 2, 4, 8) blocks whose 32768-key caches hold L. Otherwise 1 unless the rows are
+ * fewer than the SMs and at least 8k long; then one block per SM in all, at least 4096 keys a block and at
+ * least 2. Host only. */
 int32_t dsq_topk_plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms);
 
 #ifdef __cplusplus

@@ -12,7 +12,12 @@
 // -inf and positions outside the row's span. A selected element is the word (key << 32 | ~position): words are
 // unique and compare in the selection order (value descending, position ascending).
 //
-// One block a row (`chunks` <= 1), row_block: a 4096-bin shared histogram of the top 12 bits of the row's keys
+// Cached rows (`chunks` = -C, NVIDIA sm_90 on; cache_block): a cluster of C blocks a row, each reading its part
+// of the row once into shared memory and its histogram; the threshold bin from the summed histograms; the words
+// above and in it collected from the caches into the first block's shared memory, which selects, sorts and
+// writes them as row_block does (details at cache_block).
+//
+// One block a row (`chunks` 0 or 1), row_block: a 4096-bin shared histogram of the top 12 bits of the row's keys
 // gives the threshold bin b (as in the few-long-rows path below); a second read puts the words of the keys above
 // b and in b into the sort buffer; when there are more than k, a radix selection over the words of bin b in shared
 // memory keeps the k - above largest of them (every key above b precedes every key in b), and the k taken words are
@@ -46,7 +51,8 @@
 // row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE);
 // DSQ_TOPK_MERGE=1, the merge sort (sort_desc_merge) instead of the bitonic one where its two buffers fit;
 // DSQ_TOPK_FINISH_GROUPS=G, the few-long-rows finish by G blocks a row, each sorting the words of a range of digits
-// (finish_group). The last two are off by default: they have no GPU measurement.
+// (finish_group); DSQ_TOPK_CACHE_KEYS, the keys a block of the cached-row path holds (0: no such path). The merge
+// sort (0.5 to 4 µs slower) and the grouped finish (within 1.4 µs) measured no faster on the H100: off by default.
 #pragma once
 
 #include <cstdint>
@@ -81,6 +87,19 @@ constexpr int kDigitsPerThread = kDigits / kThreads;
 constexpr int kScatterItems = 8;               // keys a thread holds per scatter tile
 constexpr int kScatterTile = kThreads * kScatterItems;
 static_assert(kSortWords >= DSQ_TOPK_MAX_SORT && kBinCap >= kSortWords, "sort buffer sizes");
+// The cached-row path (cache_block): keys a block holds in shared memory (128 KB beside Shared: one block an SM),
+// and the most blocks of a cluster that share a row. 0: no such path (AMD: the layer has no clusters, and 64 KB of
+// LDS a block on gfx942).
+#ifndef DSQ_TOPK_CACHE_KEYS
+#define DSQ_TOPK_CACHE_KEYS (DSQ_TOPK_AMD ? 0 : 32768)
+#endif
+constexpr int kCacheKeys = DSQ_TOPK_CACHE_KEYS;
+constexpr int kMaxCluster = 8;
+// Blocks of a row up to which each block sums the row's histogram itself (cache_block; measured on the H100: 0.3 to
+// 0.6 µs faster for 2 blocks a row, 2 µs slower for 8).
+constexpr int kSumBlocks = 2;
+inline bool cache_adds(int blocks) { return blocks > kSumBlocks; }
+static_assert(kCacheKeys % 4 == 0, "DSQ_TOPK_CACHE_KEYS: whole 16-byte groups");
 
 TOPK_FN uint32_t order_key_bits(uint32_t b) {
   const uint32_t mag = b & 0x7FFFFFFFu;
@@ -222,7 +241,10 @@ struct Threshold {
 
 // Shared memory of row_block and finish_block.
 struct Shared {
-  unsigned long long sort[kSortWords];
+  union {
+    unsigned long long sort[kSortWords];
+    int row_digits[kDigits];     // cache_block: the row's first-digit histogram, before any word is collected
+  };
   union {
     int digits[kDigits];         // row_block's first-digit histogram
     int hist[kCopies][kBins];    // select_segment: warp w counts into copy w % kCopies (fewer warps per address)
@@ -688,6 +710,123 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   }
 }
 
+#if DSQ_TOPK_CACHE_KEYS > 0
+// Shared memory of cache_block: Shared and the keys of the block's part of the row.
+struct CacheShared {
+  Shared s;
+  alignas(16) uint32_t keys[kCacheKeys];   // read as 16-byte groups
+};
+
+// The barrier of every thread of the row's blocks (a cluster barrier; the block barrier for one block): what a
+// thread wrote to its block's or another block's shared memory before it is visible to all after it.
+TOPK_FN void row_sync(int blocks) {
+  if (blocks > 1)
+    cluster_sync();
+  else
+    block_sync();
+}
+
+// Cached-row path: block `rank` of the `blocks` blocks (a cluster) that select row `row`. Each block reads its
+// part of the row's span once, into the key cache and its first-digit histogram. The threshold bin b of the row's
+// histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
+// blocks add their histograms into the first block's, which finds b (fewer reads of other blocks' memory, one more
+// cluster barrier). Each block then appends its cached keys above b and in b to the first block's two lists (that
+// block's shared memory, slots reserved by atomic adds), and the first block finishes the row as row_block does.
+// A threshold bin too full for the sort buffer: the first block runs the one-block selection on the row.
+// blocks * kCacheKeys >= the row's span (run() checks it).
+// ADD: the histograms added into the first block's (blocks > kSumBlocks: cache_adds), else summed by each block;
+// one instance each keeps the other's code out of the registers of the first.
+template <int DT, bool ADD>
+TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks, CacheShared& cs) {
+  Shared& sh = cs.s;
+  const int tid = thread_id();
+  int64_t start, end;
+  row_span(a, row, start, end);
+  const int64_t per = ((end - start + blocks - 1) / blocks + 3) / 4 * 4;   // <= kCacheKeys
+  int64_t lo = start + rank * per;
+  if (lo > end) lo = end;
+  const int64_t hi = lo + per < end ? lo + per : end;
+  const int32_t n = static_cast<int32_t>(hi - lo);
+  const void* const src = row_ptr(a, row);
+
+  // this block's keys, cached and counted; the first block's row histogram cleared (several blocks)
+  uint32_t* const keys = cs.keys;
+  int* const digits = sh.digits;
+  for (int d = tid; d < kDigits; d += kThreads) {
+    digits[d] = 0;
+    if (ADD && rank == 0) sh.row_digits[d] = 0;
+  }
+  block_sync();
+  // (16-bit keys: 3 loads in flight, eight keys each; with 4 the bf16 kernel spills registers on sm_90a)
+  constexpr int kCacheLoads = DT == 0 ? kLoads : kCollectLoads;
+  for_each_key<DT, kCacheLoads>(src, lo, hi, [keys, digits, lo](int64_t p, uint32_t key) {
+    keys[p - lo] = key;
+    if (key) shared_add(&digits[key >> kDigitShift], 1);
+  });
+  row_sync(blocks);   // every block's histogram complete, the first block's row histogram clear
+  if constexpr (!ADD) {
+    // every block sums the blocks' histograms (one read of each other block's bins) and finds the threshold bin
+    for (int d = tid; d < kDigits; d += kThreads) {
+      int sum = 0;
+      for (int r = 0; r < blocks; ++r) sum += (r == rank ? digits : cluster_peer(digits, r))[d];
+      sh.row_digits[d] = sum;
+    }
+    block_sync();
+    threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
+  } else {
+    // every block adds its bins into the first block's row histogram, the first block finds the threshold bin
+    int* const row_hist = rank == 0 ? sh.row_digits : cluster_peer(sh.row_digits, 0);
+    for (int d = tid; d < kDigits; d += kThreads)
+      if (digits[d]) shared_add(&row_hist[d], digits[d]);
+    cluster_sync();
+    if (rank == 0) threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
+  }
+  if (rank == 0 && tid == 0) {
+    sh.fill[0] = 0;
+    sh.fill[1] = sh.th.above;
+  }
+  row_sync(blocks);   // the first block's threshold and empty lists published; no histogram is read any more
+  Shared& first = rank == 0 ? sh : *cluster_peer(&sh, 0);
+  const Threshold th = ADD ? first.th : sh.th;   // (summed: every block found the same)
+  const bool fits = th.above + th.in_bin <= kSortWords;   // the same in every block
+
+  if (fits) {
+    const int digit = th.digit;
+    const Words16* const kv = reinterpret_cast<const Words16*>(keys);
+    const int32_t pos0 = static_cast<int32_t>(lo);   // positions are below 2^31
+    for (int32_t i = tid; 4 * i < n; i += kThreads) {
+      const Words16 w = kv[i];   // inside the cache: n <= per, a multiple of 4
+      DSQ_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t key = w.w[j];
+        const int d = static_cast<int>(key >> kDigitShift);
+        if (4 * i + j < n && key != 0u && d >= digit)
+          first.sort[shared_add(&first.fill[d > digit ? 0 : 1], 1)] = word_of(key, pos0 + 4 * i + j);
+      }
+    }
+  }
+  row_sync(blocks);   // every word in the first block's lists; no block touches another's memory after this
+  if (rank != 0) return;
+  const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
+  if (fits) {
+    write_row(a, row, rel, th.above, th.in_bin, sh);
+  } else {
+    const int32_t taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
+    block_sync();
+    write_row(a, row, rel, taken, 0, sh);
+  }
+}
+#endif
+
+// The blocks a row of the cached-row path for rows of L positions: the fewest (a power of two) whose caches hold
+// L keys; 0 when more than kMaxCluster would be needed or the build has no such path.
+inline int32_t cache_blocks(int64_t L) {
+  if (kCacheKeys == 0) return 0;
+  int32_t c = 1;
+  while (static_cast<int64_t>(c) * kCacheKeys < L) c *= 2;
+  return c <= kMaxCluster ? c : 0;
+}
+
 // Block `bid` of the rows x chunks grid: row bid / chunks, its share [lo, hi) of the row's span.
 TOPK_FN void chunk_range(const DsqTopkArgs& a, int32_t chunks, int64_t bid, int64_t& row, int64_t& lo,
                          int64_t& hi) {
@@ -876,6 +1015,8 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t bid, Shared& sh) {
 // ---- host side: the plan, the workspace size, the argument check and the order of the launches
 
 inline int32_t plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms) {
+  // rows that the caches of at most kMaxCluster blocks hold: the cached-row path (each key read once)
+  if (rows > 0 && k > 0 && cache_blocks(L) > 0) return -cache_blocks(L);
   // fewer than 3 blocks a row in a wave: one block a row is faster (one launch; measured on the H200)
   if (rows <= 0 || sms / rows < 3 || k <= 0 || L < 8 * k) return 1;
   int64_t c = sms / rows;   // step 2 in one wave of a block an SM (step 1 runs twice the blocks, two an SM)
@@ -890,10 +1031,18 @@ inline int64_t workspace_bytes(int64_t rows, int64_t L, int64_t k, int32_t chunk
 }
 
 // Runs a call on `dev`, which launches grids of the block bodies: dev.row<DT>(a), dev.memset(p, bytes),
-// dev.hist<DT>(a, chunks), dev.scatter<DT>(a, chunks), dev.finish<DT>(a), each returning 0 or an error code.
+// dev.hist<DT>(a, chunks), dev.scatter<DT>(a, chunks), dev.finish<DT>(a), each returning 0 or an error code, and
+// where kCacheKeys > 0 dev.cache<DT>(a, blocks) (clusters of `blocks` blocks a row; -1: the device cannot).
 // Returns 1 (cudaErrorInvalidValue) for bad arguments, before anything is launched.
 template <int DT, class Dev>
 int run_dtype(const DsqTopkArgs& a, int32_t chunks, Dev& dev) {
+  if (chunks < 0) {   // the cached-row path, where the device runs it (dev.cache returns -1 where not)
+    if constexpr (kCacheKeys > 0) {
+      const int e = dev.template cache<DT>(a, -chunks);
+      if (e >= 0) return e;
+    }
+    chunks = 1;
+  }
   if (chunks == 1) return dev.template row<DT>(a);
   int e = dev.memset(a.workspace, static_cast<size_t>(a.rows) * (kDigits + 2) * sizeof(int));
   if (e == 0) e = dev.template hist<DT>(a, 2 * chunks);   // any split of a row adds up to its histogram
@@ -921,6 +1070,11 @@ int run(const DsqTopkArgs* args, Dev& dev) {
   int32_t chunks = a.chunks > 0 ? a.chunks : 1;
   if (chunks > 1 && (a.L == 0 || !a.workspace || a.workspace_bytes < workspace_bytes(a.rows, a.L, a.k, chunks)))
     chunks = 1;
+  if (a.chunks < 0) {   // cached rows in -chunks blocks each: a power of two whose caches hold the row
+    const int64_t c = -static_cast<int64_t>(a.chunks);
+    if (kCacheKeys > 0 && c <= kMaxCluster && (c & (c - 1)) == 0 && c * kCacheKeys >= a.L)
+      chunks = static_cast<int32_t>(-c);
+  }
   switch (a.logits_dtype) {
     case 0: return run_dtype<0>(a, chunks, dev);
     case 1: return run_dtype<1>(a, chunks, dev);

@@ -6,6 +6,8 @@
 // so an atomic read-modify-write is a plain one here. The blocks of a grid run one after another in a chosen
 // order (forward, reverse or shuffled), so that results that depend on the order of blocks show. A barrier or
 // shuffle that not every thread reaches (undefined on a GPU) is an error (a C++ exception) instead of a hang.
+// A cluster of blocks (NVIDIA sm_90) runs as one emulated group of blocks: run_block with `rank_size` threads a
+// block, block_barrier among the threads of the caller's block, cluster_barrier among all of them.
 #pragma once
 
 #include <ucontext.h>
@@ -23,8 +25,10 @@
 
 namespace emu {
 
-constexpr int kMaxThreads = 1024;
-constexpr size_t kStacks = 64u << 20;   // bytes of fiber stacks, split evenly between a block's threads
+constexpr int kMaxThreads = 8192;       // threads of a block, or of a cluster of blocks
+constexpr int kMaxRanks = 8;            // blocks of a cluster
+constexpr size_t kStacks = 64u << 20;   // bytes of fiber stacks, split evenly between a block's threads,
+constexpr size_t kMinStack = 32u << 10;   // but at least this much a thread
 
 struct Fiber {
   ucontext_t ctx;
@@ -39,22 +43,25 @@ struct Block {
   int cur = 0;
   int64_t bid = 0;
   int alive = 0;
-  int blk_count = 0, blk_gen = 0;
+  int blk_count = 0, blk_gen = 0;         // the barrier of all the threads (a cluster's)
+  int rank_size = 0;                      // threads of one block of the cluster
+  int rank_alive[kMaxRanks] = {}, rank_count[kMaxRanks] = {}, rank_gen[kMaxRanks] = {};
   int warp_count[kMaxThreads / 32] = {}, warp_gen[kMaxThreads / 32] = {};
   int group_count[kMaxThreads / 32][32] = {}, group_gen[kMaxThreads / 32][32] = {};   // by the group's first lane
   uint64_t slot[kMaxThreads / 32][32] = {};
   std::function<void()> body;
 };
 
-inline std::vector<char>& stacks() {
-  static std::vector<char> s(kStacks);
+// Stack memory, allocated once for the most threads (pages are touched only as the fibers use them).
+inline char* stacks() {
+  static char* s = new char[kMaxThreads * kMinStack > kStacks ? kMaxThreads * kMinStack : kStacks];
   return s;
 }
 inline Block*& current() {
   static Block* g = nullptr;
   return g;
 }
-inline int thread_id() { return current()->cur; }
+inline int thread_id() { return current()->cur; }   // in the whole group (the cluster's threads)
 inline int64_t block_id() { return current()->bid; }
 
 inline void yield_until_changed(const int* gen) {
@@ -72,8 +79,27 @@ inline void release_block_if_all_arrived() {
     ++g->blk_gen;
   }
 }
+inline void release_rank_if_all_arrived(int r) {
+  Block* g = current();
+  if (g->rank_count[r] > 0 && g->rank_count[r] == g->rank_alive[r]) {
+    g->rank_count[r] = 0;
+    ++g->rank_gen[r];
+  }
+}
 
+// The barrier of the caller's block (its rank's threads).
 inline void block_barrier() {
+  Block* g = current();
+  const int r = g->cur / g->rank_size;
+  ++g->rank_count[r];
+  const int* gen = &g->rank_gen[r];
+  const int my = *gen;
+  release_rank_if_all_arrived(r);
+  if (*gen == my) yield_until_changed(gen);
+}
+
+// The barrier of every thread of the group (a cluster barrier).
+inline void cluster_barrier() {
   Block* g = current();
   ++g->blk_count;
   const int* gen = &g->blk_gen;
@@ -81,6 +107,7 @@ inline void block_barrier() {
   release_block_if_all_arrived();
   if (*gen == my) yield_until_changed(gen);
 }
+inline int cluster_rank() { return current()->cur / current()->rank_size; }
 
 inline void warp_barrier(int w) {
   Block* g = current();
@@ -149,17 +176,28 @@ inline void entry() {
   g->body();
   g->f[g->cur].done = true;
   --g->alive;
-  release_block_if_all_arrived();        // exited threads no longer hold a block barrier
+  const int r = g->cur / g->rank_size;
+  --g->rank_alive[r];
+  release_block_if_all_arrived();        // exited threads no longer hold a barrier
+  release_rank_if_all_arrived(r);
 }
 
 // Runs one block of n threads (a multiple of 32, at most kMaxThreads) until all return; throws on a deadlock.
-inline void run_block(int64_t bid, int n, const std::function<void()>& body) {
-  if (n <= 0 || n % 32 || n > kMaxThreads) throw std::invalid_argument("emulated block size " + std::to_string(n));
+// rank_size < n: a cluster of n / rank_size blocks of rank_size threads each (thread t in block t / rank_size).
+inline void run_block(int64_t bid, int n, const std::function<void()>& body, int rank_size = 0) {
+  if (rank_size == 0) rank_size = n;
+  if (n <= 0 || n % 32 || n > kMaxThreads || rank_size % 32 || n % rank_size || n / rank_size > kMaxRanks)
+    throw std::invalid_argument("emulated block size " + std::to_string(n) + " / " + std::to_string(rank_size));
   Block& b = *current();
-  const size_t stack = kStacks / static_cast<size_t>(n);
+  const size_t stack = std::max(kStacks / static_cast<size_t>(n), kMinStack);
   b.bid = bid;
   b.alive = n;
   b.blk_count = 0;
+  b.rank_size = rank_size;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    b.rank_alive[r] = r < n / rank_size ? rank_size : 0;
+    b.rank_count[r] = 0;
+  }
   std::fill(std::begin(b.warp_count), std::end(b.warp_count), 0);
   std::memset(b.group_count, 0, sizeof(b.group_count));
   b.body = body;
@@ -168,7 +206,7 @@ inline void run_block(int64_t bid, int n, const std::function<void()>& body) {
     f.done = false;
     f.wait_gen = nullptr;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stacks().data() + stack * t;
+    f.ctx.uc_stack.ss_sp = stacks() + stack * t;
     f.ctx.uc_stack.ss_size = stack;
     f.ctx.uc_link = &b.sched;
     makecontext(&f.ctx, entry, 0);

@@ -4,7 +4,9 @@
 // block is a cooperative fiber, the block barrier and the 32-lane shuffles are rendezvous points, atomic adds are
 // plain adds (fibers switch only at those points), and the blocks of a grid run one after another in a chosen
 // order (forward, reverse or shuffled), so that the written bytes must not depend on the order of blocks (the
-// few-long-rows path fills its lists in that order). Shared memory starts as garbage (0xA5 bytes).
+// few-long-rows path fills its lists in that order). Shared memory starts as garbage (0xA5 bytes). A cluster of
+// the cached-row path runs its blocks together (fibers.h: the threads of all its blocks, block and cluster
+// barriers), each block with its own shared memory, which the others reach through cluster_peer.
 //
 // It exports the C interface of kernels/cuda/topk.h (pointers are host pointers: CPU torch tensors), plus
 // dsq_emu_set_order, dsq_emu_threads and dsq_error_string. Built by tests/test_topk_host.py with g++ -O2
@@ -14,6 +16,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "fibers.h"
 #include "topk.h"
@@ -35,7 +38,7 @@ void run_grid(int64_t n, int threads, F&& body) {
 
 namespace dsqtopk {
 #define TOPK_FN inline
-inline int thread_id() { return emu::thread_id(); }
+inline int thread_id() { return emu::thread_id() % emu::current()->rank_size; }
 inline void block_sync() { emu::block_barrier(); }
 inline int shfl_up_i(int v, int off) { return emu::shuffle_up(v, off); }
 inline unsigned long long shfl_up_u64(unsigned long long v, int off) { return emu::shuffle_up(v, off); }
@@ -46,6 +49,22 @@ inline int global_add(int* p, int v) {
   return old;
 }
 inline int shared_add(int* p, int v) { return global_add(p, v); }
+inline void cluster_sync() { emu::cluster_barrier(); }
+// The cluster's shared memories: `cluster_blocks` objects of `cluster_stride` bytes from `cluster_base`.
+inline char* cluster_base = nullptr;
+inline size_t cluster_stride = 0;
+inline int cluster_blocks = 0;
+// The address in block r's shared memory of the object at p in the caller's.
+template <class T>
+T* cluster_peer(T* p, int r) {
+  const int me = emu::cluster_rank();
+  char* const c = reinterpret_cast<char*>(const_cast<std::remove_cv_t<T>*>(p));
+  if (r < 0 || r >= cluster_blocks || c < cluster_base + me * cluster_stride ||
+      c + sizeof(T) > cluster_base + (me + 1) * cluster_stride)
+    throw std::runtime_error("cluster_peer: block " + std::to_string(r) + " or an address outside the caller's "
+                             "shared memory");
+  return reinterpret_cast<T*>(c + (static_cast<ptrdiff_t>(r) - me) * static_cast<ptrdiff_t>(cluster_stride));
+}
 }  // namespace dsqtopk
 
 #include "topk_body.cuh"
@@ -61,6 +80,28 @@ struct Host {
                                    [&](int64_t b, dsqtopk::Shared& sh) { dsqtopk::row_block<DT>(a, b, sh); });
     return 0;
   }
+#if DSQ_TOPK_CACHE_KEYS > 0
+  // Clusters of `blocks` blocks a row, each cluster's blocks run together.
+  template <int DT>
+  int cache(const DsqTopkArgs& a, int blocks) {
+    using dsqtopk::CacheShared;
+    std::unique_ptr<CacheShared[]> sh(new CacheShared[blocks]);
+    dsqtopk::cluster_base = reinterpret_cast<char*>(sh.get());
+    dsqtopk::cluster_stride = sizeof(CacheShared);
+    dsqtopk::cluster_blocks = blocks;
+    emu::run_grid(a.rows, [&](int64_t row) {
+      std::memset(static_cast<void*>(sh.get()), 0xA5, sizeof(CacheShared) * blocks);
+      emu::run_block(row, blocks * dsqtopk::kThreads, [&] {
+        const int r = emu::cluster_rank();
+        if (dsqtopk::cache_adds(blocks))
+          dsqtopk::cache_block<DT, true>(a, row, r, blocks, sh[r]);
+        else
+          dsqtopk::cache_block<DT, false>(a, row, r, blocks, sh[r]);
+      }, dsqtopk::kThreads);
+    });
+    return 0;
+  }
+#endif
   template <int DT>
   int finish(const DsqTopkArgs& a) {
     run_grid<dsqtopk::Shared>(a.rows * dsqtopk::kFinishGroups, dsqtopk::kThreads,

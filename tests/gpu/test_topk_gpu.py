@@ -180,11 +180,15 @@ def topk_lib():
 
 
 def run_cuda_lib(lib, x, k, kw, chunks):
+    import ctypes
     from dsaquant.backends import topk_abi
     ctx, ks, ke = kw.get("context_lens"), kw.get("ks"), kw.get("ke")
     out = torch.full((x.shape[0], k), POISON, dtype=torch.int32, device=DEV)
-    if chunks <= 0:   # the plan for this device
-        chunks = topk_abi.plan_chunks(x.shape[0], x.shape[1], k, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    if chunks == 0:   # the library's plan for this device
+        plan = lib.dsq_topk_plan_chunks
+        plan.restype = ctypes.c_int32
+        plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+        chunks = plan(x.shape[0], x.shape[1], k, torch.cuda.get_device_properties(DEV).multi_processor_count)
     ws = torch.empty(max(1, topk_abi.workspace_bytes(x.shape[0], x.shape[1], k, chunks)), dtype=torch.uint8, device=DEV)
     a = topk_abi.make_args(x, k, ctx.contiguous() if ctx is not None else None, kw.get("next_n", 1), ks, ke,
                            kw.get("relative", False), out, workspace=ws, chunks=chunks)
@@ -193,7 +197,9 @@ def run_cuda_lib(lib, x, k, kw, chunks):
     return rc, out
 
 
-@pytest.mark.parametrize("chunks", [0, 1, 2, 8])
+# 0: the library's plan (the cached-row path up to 8 blocks' caches); 1: one block a row; 2, 8: few long rows;
+# -1, -2, -8: the cached-row path in clusters of that many blocks (one block a row where they cannot hold the row)
+@pytest.mark.parametrize("chunks", [0, 1, 2, 8, -1, -2, -8])
 @pytest.mark.parametrize("name", list(CASES))
 def test_cuda_kernel_via_c_abi(topk_lib, name, chunks):
     rows, L, k, kind, form, next_n, dtype = CASES[name]

@@ -7,6 +7,8 @@ calls the library with that device's current stream. No host synchronisation; CU
 """
 from __future__ import annotations
 
+import ctypes
+
 from pathlib import Path
 
 import torch
@@ -258,12 +260,15 @@ def _topk_over(lib):
     min(k, L) exceeds the kernel's sort size go to the Triton kernel (same bytes)."""
     from . import topk_abi
 
+    plan = lib.dsq_topk_plan_chunks   # the library's own plan: its platform's paths
+    plan.restype = ctypes.c_int32
+    plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+
     def topk_indices(logits, k, context_lens, next_n, ks, ke, relative, out):
         if logits.shape[0] == 0:
             return
         dev = logits.device
-        chunks = topk_abi.plan_chunks(logits.shape[0], logits.shape[1], k, torch.cuda.get_device_properties(dev)
-                                      .multi_processor_count)
+        chunks = plan(logits.shape[0], logits.shape[1], k, torch.cuda.get_device_properties(dev).multi_processor_count)
         ws = torch.empty(max(1, topk_abi.workspace_bytes(logits.shape[0], logits.shape[1], k, chunks)),
                          dtype=torch.uint8, device=dev)
         dense = [t.contiguous() if t is not None else None for t in (context_lens, ks, ke)]

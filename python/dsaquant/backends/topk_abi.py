@@ -19,6 +19,8 @@ MAX_SORT = 4096   # DSQ_TOPK_MAX_SORT
 MAX_CHUNKS = 1024   # kMaxChunks of kernels/cuda/topk.cu
 DIGITS = 4096       # kDigits: the first-digit histogram of the few-long-rows path
 BIN_CAP = 8192      # kBinCap: workspace slots of a row's threshold-bin list
+CACHE_KEYS = 32768  # kCacheKeys of the NVIDIA build: keys a block of the cached-row path holds (0 on AMD)
+MAX_CLUSTER = 8     # kMaxCluster: the most blocks of such a row
 
 
 class DsqTopkArgs(ctypes.Structure):
@@ -50,8 +52,21 @@ def workspace_bytes(rows: int, L: int, k: int, chunks: int) -> int:
     return rows * ((DIGITS + 2) * 4 + (k + BIN_CAP) * 8)
 
 
-def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
-    """Mirror of dsq_topk_plan_chunks."""
+def cache_blocks(L: int, cache_keys: int = CACHE_KEYS) -> int:
+    """Mirror of cache_blocks (topk_body.cuh): blocks a row of the cached-row path, 0 where it cannot hold L."""
+    if cache_keys == 0:
+        return 0
+    c = 1
+    while c * cache_keys < L:
+        c *= 2
+    return c if c <= MAX_CLUSTER else 0
+
+
+def plan_chunks(rows: int, L: int, k: int, sms: int, cache_keys: int = CACHE_KEYS) -> int:
+    """Mirror of dsq_topk_plan_chunks of a build whose cached-row path holds `cache_keys` keys a block (the
+    NVIDIA build's CACHE_KEYS; 0 for AMD's): -blocks for that path, else the blocks a row of the others."""
+    if rows > 0 and k > 0 and cache_blocks(L, cache_keys) > 0:
+        return -cache_blocks(L, cache_keys)
     if rows <= 0 or sms // rows < 3 or k <= 0 or L < 8 * k:
         return 1
     return max(2, min(sms // rows, L // 4096, MAX_CHUNKS))
@@ -59,8 +74,8 @@ def plan_chunks(rows: int, L: int, k: int, sms: int) -> int:
 
 def make_args(logits, k, context_lens, next_n, ks, ke, relative, out, workspace=None, chunks=0) -> DsqTopkArgs:
     """DsqTopkArgs for one call (arguments as dsaquant.topk_indices validated them; index tensors contiguous).
-    `workspace`: a byte tensor for the few-long-rows path, or None; `chunks`: blocks per row (plan_chunks; <= 1 one
-    stage)."""
+    `workspace`: a byte tensor for the few-long-rows path, or None; `chunks`: blocks per row (plan_chunks; -blocks: the
+    cached-row path; 0 or 1: one block a row)."""
     idx = context_lens if context_lens is not None else ks
     ptr = (lambda t: t.data_ptr() if t is not None else None)
     return DsqTopkArgs(
