@@ -31,8 +31,9 @@ SOURCES = [REPO / "tests/cpp/topk_host.cpp", REPO / "tests/cpp/fibers.h", REPO /
 POISON = -123456
 
 
-# The build options off by default (topk_body.cuh): the merge sort and the finish by 8 blocks a row.
-OPTIONS = ("-DDSQ_TOPK_MERGE=1", "-DDSQ_TOPK_FINISH_GROUPS=8")
+# The build options off by default (topk_body.cuh): the merge sort, the finish by 8 blocks a row and the split
+# sort of the cached-row path's clusters.
+OPTIONS = ("-DDSQ_TOPK_MERGE=1", "-DDSQ_TOPK_FINISH_GROUPS=8", "-DDSQ_TOPK_CLUSTER_SORT=1")
 
 
 def _build(amd: bool, options: bool = False) -> Path:
@@ -148,6 +149,9 @@ CASES = {
     "decode2d-cached-mtp3": (6, 9000, 256, "specials", "decode2d", 3, torch.float32, -2),
     "bf16-cached": (2, 16000, 1000, "ties", "decode", 1, torch.bfloat16, -2),
     "fp16-cached": (2, 16000, 1000, "specials", "prefill", 1, torch.float16, -4),
+    "zeros-cached-fallback-4": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, -4),
+    "ties-cached-8": (3, 30000, 700, "ties", "prefill", 1, torch.float32, -8),
+    "k-past-row-cached-4": (3, 3000, 4000, "randn", "prefill", 1, torch.float32, -4),
     # a cluster too small for the row: one block a row instead
     "cached-too-few-blocks": (2, 40000, 700, "randn", "prefill", 1, torch.float32, -1),
 }

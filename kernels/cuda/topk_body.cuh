@@ -51,8 +51,10 @@
 // row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE);
 // DSQ_TOPK_MERGE=1, the merge sort (sort_desc_merge) instead of the bitonic one where its two buffers fit;
 // DSQ_TOPK_FINISH_GROUPS=G, the few-long-rows finish by G blocks a row, each sorting the words of a range of digits
-// (finish_group); DSQ_TOPK_CACHE_KEYS, the keys a block of the cached-row path holds (0: no such path). The merge
-// sort (0.5 to 4 µs slower) and the grouped finish (within 1.4 µs) measured no faster on the H100: off by default.
+// (finish_group); DSQ_TOPK_CACHE_KEYS, the keys a block of the cached-row path holds (0: no such path);
+// DSQ_TOPK_CLUSTER_SORT=1, the cached-row path's sort split over the blocks of a cluster of more than two (split_plan;
+// off by default, not measured on a GPU). The merge sort (0.5 to 4 µs slower) and the grouped finish (within 1.4 µs)
+// measured no faster on the H100: off by default.
 #pragma once
 
 #include <cstdint>
@@ -99,6 +101,12 @@ constexpr int kMaxCluster = 8;
 // 0.6 µs faster for 2 blocks a row, 2 µs slower for 8).
 constexpr int kSumBlocks = 2;
 inline bool cache_adds(int blocks) { return blocks > kSumBlocks; }
+// DSQ_TOPK_CLUSTER_SORT=1: with more than kSumBlocks blocks a row, each block selects, sorts and writes the words
+// of its share of the row's outputs (cache_block), instead of the first block all of them. Off by default: not
+// measured on a GPU (its fp16 instance spills 8 bytes on sm_90a).
+#ifndef DSQ_TOPK_CLUSTER_SORT
+#define DSQ_TOPK_CLUSTER_SORT 0
+#endif
 static_assert(kCacheKeys % 4 == 0, "DSQ_TOPK_CACHE_KEYS: whole 16-byte groups");
 
 TOPK_FN uint32_t order_key_bits(uint32_t b) {
@@ -253,6 +261,7 @@ struct Shared {
   Threshold th;
   int fill[2];
   int digit, above, in_bucket, total;
+  int group_first[kMaxCluster], group_above[kMaxCluster];   // cache_block's split sort: each block's share
 };
 
 // Shared memory of hist_block and scatter_block.
@@ -710,123 +719,6 @@ TOPK_FN void row_block(const DsqTopkArgs& a, int64_t row, Shared& sh) {
   }
 }
 
-#if DSQ_TOPK_CACHE_KEYS > 0
-// Shared memory of cache_block: Shared and the keys of the block's part of the row.
-struct CacheShared {
-  Shared s;
-  alignas(16) uint32_t keys[kCacheKeys];   // read as 16-byte groups
-};
-
-// The barrier of every thread of the row's blocks (a cluster barrier; the block barrier for one block): what a
-// thread wrote to its block's or another block's shared memory before it is visible to all after it.
-TOPK_FN void row_sync(int blocks) {
-  if (blocks > 1)
-    cluster_sync();
-  else
-    block_sync();
-}
-
-// Cached-row path: block `rank` of the `blocks` blocks (a cluster) that select row `row`. Each block reads its
-// part of the row's span once, into the key cache and its first-digit histogram. The threshold bin b of the row's
-// histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
-// blocks add their histograms into the first block's, which finds b (fewer reads of other blocks' memory, one more
-// cluster barrier). Each block then appends its cached keys above b and in b to the first block's two lists (that
-// block's shared memory, slots reserved by atomic adds), and the first block finishes the row as row_block does.
-// A threshold bin too full for the sort buffer: the first block runs the one-block selection on the row.
-// blocks * kCacheKeys >= the row's span (run() checks it).
-// ADD: the histograms added into the first block's (blocks > kSumBlocks: cache_adds), else summed by each block;
-// one instance each keeps the other's code out of the registers of the first.
-template <int DT, bool ADD>
-TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks, CacheShared& cs) {
-  Shared& sh = cs.s;
-  const int tid = thread_id();
-  int64_t start, end;
-  row_span(a, row, start, end);
-  const int64_t per = ((end - start + blocks - 1) / blocks + 3) / 4 * 4;   // <= kCacheKeys
-  int64_t lo = start + rank * per;
-  if (lo > end) lo = end;
-  const int64_t hi = lo + per < end ? lo + per : end;
-  const int32_t n = static_cast<int32_t>(hi - lo);
-  const void* const src = row_ptr(a, row);
-
-  // this block's keys, cached and counted; the first block's row histogram cleared (several blocks)
-  uint32_t* const keys = cs.keys;
-  int* const digits = sh.digits;
-  for (int d = tid; d < kDigits; d += kThreads) {
-    digits[d] = 0;
-    if (ADD && rank == 0) sh.row_digits[d] = 0;
-  }
-  block_sync();
-  // (16-bit keys: 3 loads in flight, eight keys each; with 4 the bf16 kernel spills registers on sm_90a)
-  constexpr int kCacheLoads = DT == 0 ? kLoads : kCollectLoads;
-  for_each_key<DT, kCacheLoads>(src, lo, hi, [keys, digits, lo](int64_t p, uint32_t key) {
-    keys[p - lo] = key;
-    if (key) shared_add(&digits[key >> kDigitShift], 1);
-  });
-  row_sync(blocks);   // every block's histogram complete, the first block's row histogram clear
-  if constexpr (!ADD) {
-    // every block sums the blocks' histograms (one read of each other block's bins) and finds the threshold bin
-    for (int d = tid; d < kDigits; d += kThreads) {
-      int sum = 0;
-      for (int r = 0; r < blocks; ++r) sum += (r == rank ? digits : cluster_peer(digits, r))[d];
-      sh.row_digits[d] = sum;
-    }
-    block_sync();
-    threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
-  } else {
-    // every block adds its bins into the first block's row histogram, the first block finds the threshold bin
-    int* const row_hist = rank == 0 ? sh.row_digits : cluster_peer(sh.row_digits, 0);
-    for (int d = tid; d < kDigits; d += kThreads)
-      if (digits[d]) shared_add(&row_hist[d], digits[d]);
-    cluster_sync();
-    if (rank == 0) threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
-  }
-  if (rank == 0 && tid == 0) {
-    sh.fill[0] = 0;
-    sh.fill[1] = sh.th.above;
-  }
-  row_sync(blocks);   // the first block's threshold and empty lists published; no histogram is read any more
-  Shared& first = rank == 0 ? sh : *cluster_peer(&sh, 0);
-  const Threshold th = ADD ? first.th : sh.th;   // (summed: every block found the same)
-  const bool fits = th.above + th.in_bin <= kSortWords;   // the same in every block
-
-  if (fits) {
-    const int digit = th.digit;
-    const Words16* const kv = reinterpret_cast<const Words16*>(keys);
-    const int32_t pos0 = static_cast<int32_t>(lo);   // positions are below 2^31
-    for (int32_t i = tid; 4 * i < n; i += kThreads) {
-      const Words16 w = kv[i];   // inside the cache: n <= per, a multiple of 4
-      DSQ_UNROLL
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t key = w.w[j];
-        const int d = static_cast<int>(key >> kDigitShift);
-        if (4 * i + j < n && key != 0u && d >= digit)
-          first.sort[shared_add(&first.fill[d > digit ? 0 : 1], 1)] = word_of(key, pos0 + 4 * i + j);
-      }
-    }
-  }
-  row_sync(blocks);   // every word in the first block's lists; no block touches another's memory after this
-  if (rank != 0) return;
-  const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
-  if (fits) {
-    write_row(a, row, rel, th.above, th.in_bin, sh);
-  } else {
-    const int32_t taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
-    block_sync();
-    write_row(a, row, rel, taken, 0, sh);
-  }
-}
-#endif
-
-// The blocks a row of the cached-row path for rows of L positions: the fewest (a power of two) whose caches hold
-// L keys; 0 when more than kMaxCluster would be needed or the build has no such path.
-inline int32_t cache_blocks(int64_t L) {
-  if (kCacheKeys == 0) return 0;
-  int32_t c = 1;
-  while (static_cast<int64_t>(c) * kCacheKeys < L) c *= 2;
-  return c <= kMaxCluster ? c : 0;
-}
-
 // Block `bid` of the rows x chunks grid: row bid / chunks, its share [lo, hi) of the row's span.
 TOPK_FN void chunk_range(const DsqTopkArgs& a, int32_t chunks, int64_t bid, int64_t& row, int64_t& lo,
                          int64_t& hi) {
@@ -1010,6 +902,195 @@ TOPK_FN void finish_block(const DsqTopkArgs& a, int64_t bid, Shared& sh) {
     block_sync();
     write_row(a, row, rel, n_above, n_bin, sh);
   }
+}
+
+#if DSQ_TOPK_CACHE_KEYS > 0
+// Shared memory of cache_block: Shared and the keys of the block's part of the row.
+struct CacheShared {
+  Shared s;
+  alignas(16) uint32_t keys[kCacheKeys];   // read as 16-byte groups
+};
+
+// The barrier of every thread of the row's blocks (a cluster barrier; the block barrier for one block): what a
+// thread wrote to its block's or another block's shared memory before it is visible to all after it.
+TOPK_FN void row_sync(int blocks) {
+  if (blocks > 1)
+    cluster_sync();
+  else
+    block_sync();
+}
+
+// Cached-row path: block `rank` of the `blocks` blocks (a cluster) that select row `row`. Each block reads its
+// part of the row's span once, into the key cache and its first-digit histogram. The threshold bin b of the row's
+// histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
+// blocks add their histograms into the first block's, which finds b (fewer reads of other blocks' memory, one more
+// cluster barrier). Each block then appends its cached keys above b and in b to the first block's two lists (that
+// block's shared memory, slots reserved by atomic adds), and the first block finishes the row as row_block does.
+// A threshold bin too full for the sort buffer: the first block runs the one-block selection on the row.
+// blocks * kCacheKeys >= the row's span (run() checks it).
+// The split sort (DSQ_TOPK_CLUSTER_SORT): the row's selected words (k, or every candidate when there are at most
+// k) are its outputs [0, total); block g of the row takes the digits whose first output slot lies in its g-th of
+// them (offs: digit_offsets), so each block's words are a run of whole digits, in output order.
+TOPK_FN int split_total(const Threshold& th, int64_t k) { return th.digit < 0 ? th.above : static_cast<int>(k); }
+TOPK_FN int split_group(int off, int total, int blocks) {
+  return static_cast<int>(static_cast<int64_t>(off) * blocks / total);
+}
+// The first block, from the row's histogram (sh.row_digits) and threshold (sh.th): each digit's first output
+// slot into sh.digits, each block's first slot and count of words above the threshold digit into
+// sh.group_first / sh.group_above, and each block's lists emptied (its words above the threshold digit from
+// slot 0, those of the threshold digit after them). Every thread of the first block calls it.
+TOPK_FN void split_plan(int64_t k, int blocks, Shared& sh) {
+  const int tid = thread_id();
+  const Threshold th = sh.th;
+  if (th.above + th.in_bin > kSortWords) return;   // the first block selects the row alone
+  const int want = th.digit < 0 ? 0 : static_cast<int>(k) - th.above;
+  const int total = split_total(th, k);
+  digit_offsets(sh.row_digits, th, want, sh.digits, sh.scan);
+  if (tid < blocks) sh.group_first[tid] = sh.group_above[tid] = 0;
+  block_sync();
+  for (int d = tid; d < kDigits; d += kThreads) {
+    const int sel = d > th.digit ? sh.row_digits[d] : (d == th.digit ? want : 0);
+    if (sel == 0) continue;
+    const int g = split_group(sh.digits[d], total, blocks);
+    for (int h = g + 1; h < blocks; ++h) shared_add(&sh.group_first[h], sel);
+    if (d > th.digit) shared_add(&sh.group_above[g], sel);
+  }
+  block_sync();
+  if (tid < blocks) {
+    Shared& to = tid == 0 ? sh : *cluster_peer(&sh, tid);
+    to.fill[0] = 0;
+    to.fill[1] = sh.group_above[tid];
+  }
+}
+
+// ADD: the histograms added into the first block's (blocks > kSumBlocks: cache_adds), else summed by each block;
+// one instance each keeps the other's code out of the registers of the first.
+template <int DT, bool ADD>
+TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks, CacheShared& cs) {
+  constexpr bool kSplit = ADD && DSQ_TOPK_CLUSTER_SORT != 0;
+  Shared& sh = cs.s;
+  const int tid = thread_id();
+  int64_t start, end;
+  row_span(a, row, start, end);
+  const int64_t per = ((end - start + blocks - 1) / blocks + 3) / 4 * 4;   // <= kCacheKeys
+  int64_t lo = start + rank * per;
+  if (lo > end) lo = end;
+  const int64_t hi = lo + per < end ? lo + per : end;
+  const int32_t n = static_cast<int32_t>(hi - lo);
+  const void* const src = row_ptr(a, row);
+
+  // this block's keys, cached and counted; the first block's row histogram cleared (several blocks)
+  uint32_t* const keys = cs.keys;
+  int* const digits = sh.digits;
+  for (int d = tid; d < kDigits; d += kThreads) {
+    digits[d] = 0;
+    if (ADD && rank == 0) sh.row_digits[d] = 0;
+  }
+  block_sync();
+  // (16-bit keys: 3 loads in flight, eight keys each; with 4 the bf16 kernel spills registers on sm_90a)
+  constexpr int kCacheLoads = DT == 0 ? kLoads : kCollectLoads;
+  for_each_key<DT, kCacheLoads>(src, lo, hi, [keys, digits, lo](int64_t p, uint32_t key) {
+    keys[p - lo] = key;
+    if (key) shared_add(&digits[key >> kDigitShift], 1);
+  });
+  row_sync(blocks);   // every block's histogram complete, the first block's row histogram clear
+  if constexpr (!ADD) {
+    // every block sums the blocks' histograms (one read of each other block's bins) and finds the threshold bin
+    for (int d = tid; d < kDigits; d += kThreads) {
+      int sum = 0;
+      for (int r = 0; r < blocks; ++r) sum += (r == rank ? digits : cluster_peer(digits, r))[d];
+      sh.row_digits[d] = sum;
+    }
+    block_sync();
+    threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
+  } else {
+    // every block adds its bins into the first block's row histogram, the first block finds the threshold bin
+    int* const row_hist = rank == 0 ? sh.row_digits : cluster_peer(sh.row_digits, 0);
+    for (int d = tid; d < kDigits; d += kThreads)
+      if (digits[d]) shared_add(&row_hist[d], digits[d]);
+    cluster_sync();
+    if (rank == 0) {
+      threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
+      if (kSplit) split_plan(a.k, blocks, sh);
+    }
+  }
+  if (!kSplit && rank == 0 && tid == 0) {
+    sh.fill[0] = 0;
+    sh.fill[1] = sh.th.above;
+  }
+  row_sync(blocks);   // the first block's threshold and empty lists published; no histogram is read any more
+  Shared& first = rank == 0 ? sh : *cluster_peer(&sh, 0);
+  const Threshold th = ADD ? first.th : sh.th;   // (summed: every block found the same)
+  const bool fits = th.above + th.in_bin <= kSortWords;   // the same in every block
+
+  if (kSplit && fits) {   // each candidate word to the block of its digit's share of the outputs
+    const int digit = th.digit, total = split_total(th, a.k);
+    const int* const offs = rank == 0 ? sh.digits : cluster_peer(sh.digits, 0);
+    const Words16* const kv = reinterpret_cast<const Words16*>(keys);
+    const int32_t pos0 = static_cast<int32_t>(lo);
+    for (int32_t i = tid; 4 * i < n; i += kThreads) {
+      const Words16 w = kv[i];
+      DSQ_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t key = w.w[j];
+        const int d = static_cast<int>(key >> kDigitShift);
+        if (4 * i + j < n && key != 0u && d >= digit) {
+          const int g = split_group(offs[d], total, blocks);
+          Shared& to = g == rank ? sh : *cluster_peer(&sh, g);
+          to.sort[shared_add(&to.fill[d > digit ? 0 : 1], 1)] = word_of(key, pos0 + 4 * i + j);
+        }
+      }
+    }
+    // this block's share, read before the barrier after which the first block may exit
+    const int my_first = first.group_first[rank], my_above = first.group_above[rank];
+    const bool my_bin = digit >= 0 && split_group(offs[digit], total, blocks) == rank;
+    row_sync(blocks);   // every word in its block's lists; no block touches another's memory after this
+    const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
+    int32_t count = my_above;
+    if (my_bin) {   // this block's share ends with the threshold digit: its `want` largest words
+      const int want = static_cast<int>(a.k) - th.above, n_bin = sh.fill[1] - my_above;
+      if (n_bin > want) select_words(sh.sort + my_above, n_bin, want, sh);
+      count += want;
+    }
+    sort_and_write_part(a, row, rel, sh.sort, count, my_first);
+    if (rank == 0) pad_row(a, row, total);
+    return;
+  }
+  if (fits) {
+    const int digit = th.digit;
+    const Words16* const kv = reinterpret_cast<const Words16*>(keys);
+    const int32_t pos0 = static_cast<int32_t>(lo);   // positions are below 2^31
+    for (int32_t i = tid; 4 * i < n; i += kThreads) {
+      const Words16 w = kv[i];   // inside the cache: n <= per, a multiple of 4
+      DSQ_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t key = w.w[j];
+        const int d = static_cast<int>(key >> kDigitShift);
+        if (4 * i + j < n && key != 0u && d >= digit)
+          first.sort[shared_add(&first.fill[d > digit ? 0 : 1], 1)] = word_of(key, pos0 + 4 * i + j);
+      }
+    }
+  }
+  row_sync(blocks);   // every word in the first block's lists; no block touches another's memory after this
+  if (rank != 0) return;
+  const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
+  if (fits) {
+    write_row(a, row, rel, th.above, th.in_bin, sh);
+  } else {
+    const int32_t taken = select_segment<DT>(src, start, static_cast<int32_t>(end - start), a.k, sh);
+    block_sync();
+    write_row(a, row, rel, taken, 0, sh);
+  }
+}
+#endif
+
+// The blocks a row of the cached-row path for rows of L positions: the fewest (a power of two) whose caches hold
+// L keys; 0 when more than kMaxCluster would be needed or the build has no such path.
+inline int32_t cache_blocks(int64_t L) {
+  if (kCacheKeys == 0) return 0;
+  int32_t c = 1;
+  while (static_cast<int64_t>(c) * kCacheKeys < L) c *= 2;
+  return c <= kMaxCluster ? c : 0;
 }
 
 // ---- host side: the plan, the workspace size, the argument check and the order of the launches
