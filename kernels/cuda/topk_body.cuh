@@ -920,14 +920,6 @@ TOPK_FN void row_sync(int blocks) {
     block_sync();
 }
 
-// Cached-row path: block `rank` of the `blocks` blocks (a cluster) that select row `row`. Each block reads its
-// part of the row's span once, into the key cache and its first-digit histogram. The threshold bin b of the row's
-// histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
-// blocks add their histograms into the first block's, which finds b (fewer reads of other blocks' memory, one more
-// cluster barrier). Each block then appends its cached keys above b and in b to the first block's two lists (that
-// block's shared memory, slots reserved by atomic adds), and the first block finishes the row as row_block does.
-// A threshold bin too full for the sort buffer: the first block runs the one-block selection on the row.
-// blocks * kCacheKeys >= the row's span (run() checks it).
 // The split sort (DSQ_TOPK_CLUSTER_SORT): the row's selected words (k, or every candidate when there are at most
 // k) are its outputs [0, total); block g of the row takes the digits whose first output slot lies in its g-th of
 // them (offs: digit_offsets), so each block's words are a run of whole digits, in output order.
@@ -963,6 +955,14 @@ TOPK_FN void split_plan(int64_t k, int blocks, Shared& sh) {
   }
 }
 
+// Cached-row path: block `rank` of the `blocks` blocks (a cluster) that select row `row`. Each block reads its
+// part of the row's span once, into the key cache and its first-digit histogram. The threshold bin b of the row's
+// histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
+// blocks add their histograms into the first block's, which finds b (fewer reads of other blocks' memory, one more
+// cluster barrier). Each block then appends its cached keys above b and in b to the first block's two lists (that
+// block's shared memory, slots reserved by atomic adds), and the first block finishes the row as row_block does.
+// A threshold bin too full for the sort buffer: the first block runs the one-block selection on the row.
+// blocks * kCacheKeys >= the row's span (run() checks it).
 // ADD: the histograms added into the first block's (blocks > kSumBlocks: cache_adds), else summed by each block;
 // one instance each keeps the other's code out of the registers of the first.
 template <int DT, bool ADD>
