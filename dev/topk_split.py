@@ -31,9 +31,7 @@ def main(argv: list[str]) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = [int(c) for c in argv if c.lstrip("-").isdigit()] or [0, 1]
     labels = [c for c in argv if not c.lstrip("-").isdigit()]   # dev/cuda_variants.sh passes the build's label last
-    plan_of = lib.dsq_topk_plan_chunks
-    plan_of.restype = ctypes.c_int32
-    plan_of.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    plan_of, _ = topk_abi.host_functions(lib)
     print(f"{' '.join(labels) + ': ' if labels else ''}copy {bench.copy_bandwidth():.0f} GB/s, "
           f"HBM read {bench.hbm_read_bandwidth():.0f} GB/s, {sms} SMs\n")
     print("| shape | k | blocks a row | µs | equal | kernels (µs each) |\n|---|---:|---:|---:|---|---|")

@@ -63,10 +63,7 @@ def test_host_functions_match_the_mirror(built):
     from dsaquant.backends import topk_abi
     _, so, _ = built
     lib = ctypes.CDLL(str(so))
-    plan, ws = lib.dsq_topk_plan_chunks, lib.dsq_topk_workspace_bytes
-    plan.restype, ws.restype = ctypes.c_int32, ctypes.c_int64
-    plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
-    ws.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    plan, ws = topk_abi.host_functions(lib)
     for rows in (0, 1, 4, 16, 64, 131, 132, 500):
         for L in (0, 100, 16384, 65536, 163840, 262144, 262145, 400000):
             for k in (1, 512, 2048, 5000):

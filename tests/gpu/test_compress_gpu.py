@@ -358,7 +358,7 @@ def rope_cases():
             ("e4m3fnuz", 1024, dict(H=16, group_size=1024, hadamard=False)),
             ("half", 128, dict(H=64)), ("half", 256, dict(H=16, dtype=torch.float16, hadamard=False)),
             ("half", 1024, dict(H=16, inplace=True)),
-            ("fp4", 128, dict(H=128))]):   # T = 300: 38400 rows, the launcher's large instance (128 values a lane)
+            ("fp4", 128, dict(H=128))]):   # T = 300: 38400 rows, the launcher's large instance (64 values a lane)
         for T in (1, 5, 300):
             cases.append(dict(name=f"{out}-D{D}-T{T}-{i}", out=out, D=D, T=T, soft=(i in (0, 5) and T == 5), **kw))
     return cases

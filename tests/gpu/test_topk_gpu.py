@@ -180,14 +180,11 @@ def topk_lib():
 
 
 def run_cuda_lib(lib, x, k, kw, chunks):
-    import ctypes
     from dsaquant.backends import topk_abi
     ctx, ks, ke = kw.get("context_lens"), kw.get("ks"), kw.get("ke")
     out = torch.full((x.shape[0], k), POISON, dtype=torch.int32, device=DEV)
     if chunks == 0:   # the library's plan for this device
-        plan = lib.dsq_topk_plan_chunks
-        plan.restype = ctypes.c_int32
-        plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+        plan, _ = topk_abi.host_functions(lib)
         chunks = plan(x.shape[0], x.shape[1], k, torch.cuda.get_device_properties(DEV).multi_processor_count)
     ws = torch.empty(max(1, topk_abi.workspace_bytes(x.shape[0], x.shape[1], k, chunks)), dtype=torch.uint8, device=DEV)
     a = topk_abi.make_args(x, k, ctx.contiguous() if ctx is not None else None, kw.get("next_n", 1), ks, ke,

@@ -7,8 +7,6 @@ calls the library with that device's current stream. No host synchronisation; CU
 """
 from __future__ import annotations
 
-import ctypes
-
 from pathlib import Path
 
 import torch
@@ -260,9 +258,7 @@ def _topk_over(lib):
     min(k, L) exceeds the kernel's sort size go to the Triton kernel (same bytes)."""
     from . import topk_abi
 
-    plan = lib.dsq_topk_plan_chunks   # the library's own plan: its platform's paths
-    plan.restype = ctypes.c_int32
-    plan.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    plan, _ = topk_abi.host_functions(lib)   # the library's own plan: its platform's paths
 
     def topk_indices(logits, k, context_lens, next_n, ks, ke, relative, out):
         if logits.shape[0] == 0:

@@ -72,6 +72,15 @@ def plan_chunks(rows: int, L: int, k: int, sms: int, cache_keys: int = CACHE_KEY
     return max(2, min(sms // rows, L // 4096, MAX_CHUNKS))
 
 
+def host_functions(lib):
+    """(dsq_topk_plan_chunks, dsq_topk_workspace_bytes) of a library handle (ctypes), with their C signatures: the
+    library's own plan (its platform's paths) and workspace size."""
+    plan, ws = lib.dsq_topk_plan_chunks, lib.dsq_topk_workspace_bytes
+    plan.restype, ws.restype = ctypes.c_int32, ctypes.c_int64
+    plan.argtypes = ws.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    return plan, ws
+
+
 def make_args(logits, k, context_lens, next_n, ks, ke, relative, out, workspace=None, chunks=0) -> DsqTopkArgs:
     """DsqTopkArgs for one call (arguments as dsaquant.topk_indices validated them; index tensors contiguous).
     `workspace`: a byte tensor for the few-long-rows path, or None; `chunks`: blocks per row (plan_chunks; -blocks: the
