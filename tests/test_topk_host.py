@@ -31,9 +31,8 @@ SOURCES = [REPO / "tests/cpp/topk_host.cpp", REPO / "tests/cpp/fibers.h", REPO /
 POISON = -123456
 
 
-# The build options off by default (topk_body.cuh): the merge sort, the finish by 8 blocks a row and the split
-# sort of the cached-row path's clusters.
-OPTIONS = ("-DDSQ_TOPK_MERGE=1", "-DDSQ_TOPK_FINISH_GROUPS=8", "-DDSQ_TOPK_CLUSTER_SORT=1")
+# The build options off by default (topk_body.cuh): the merge sort and the finish by 8 blocks a row.
+OPTIONS = ("-DDSQ_TOPK_MERGE=1", "-DDSQ_TOPK_FINISH_GROUPS=8")
 
 
 def _build(amd: bool, options: bool = False) -> Path:

@@ -51,10 +51,11 @@
 // row (default 4; 8 measured slower); DSQ_TOPK_SORT_E, the words a thread holds in the sort (see kSortE);
 // DSQ_TOPK_MERGE=1, the merge sort (sort_desc_merge) instead of the bitonic one where its two buffers fit;
 // DSQ_TOPK_FINISH_GROUPS=G, the few-long-rows finish by G blocks a row, each sorting the words of a range of digits
-// (finish_group); DSQ_TOPK_CACHE_KEYS, the keys a block of the cached-row path holds (0: no such path);
-// DSQ_TOPK_CLUSTER_SORT=1, the cached-row path's sort split over the blocks of a cluster of more than two (split_plan;
-// off by default, not measured on a GPU). The merge sort (0.5 to 4 µs slower) and the grouped finish (within 1.4 µs)
-// measured no faster on the H100: off by default.
+// (finish_group); DSQ_TOPK_CACHE_KEYS, the keys a block of the cached-row path holds (0: no such path). The merge
+// sort (0.5 to 4 µs slower) and the grouped finish (within 1.4 µs) measured no faster on the H100: off by default.
+// Nor did spreading the cached-row path's selection and sort over its cluster, by ranges of digits (4.3 µs slower
+// on 4 x 163840) or as a bitonic sort of two halves on two blocks (1.1 µs faster on 4 x 163840, 1.5 µs slower at
+// k = 512, within 0.2 µs on the other shapes): the first block does it.
 #pragma once
 
 #include <cstdint>
@@ -101,12 +102,6 @@ constexpr int kMaxCluster = 8;
 // 0.6 µs faster for 2 blocks a row, 2 µs slower for 8).
 constexpr int kSumBlocks = 2;
 inline bool cache_adds(int blocks) { return blocks > kSumBlocks; }
-// DSQ_TOPK_CLUSTER_SORT=1: with more than kSumBlocks blocks a row, each block selects, sorts and writes the words
-// of its share of the row's outputs (cache_block), instead of the first block all of them. Off by default: not
-// measured on a GPU (its fp16 instance spills 8 bytes on sm_90a).
-#ifndef DSQ_TOPK_CLUSTER_SORT
-#define DSQ_TOPK_CLUSTER_SORT 0
-#endif
 static_assert(kCacheKeys % 4 == 0, "DSQ_TOPK_CACHE_KEYS: whole 16-byte groups");
 
 TOPK_FN uint32_t order_key_bits(uint32_t b) {
@@ -261,7 +256,6 @@ struct Shared {
   Threshold th;
   int fill[2];
   int digit, above, in_bucket, total;
-  int group_first[kMaxCluster], group_above[kMaxCluster];   // cache_block's split sort: each block's share
 };
 
 // Shared memory of hist_block and scatter_block.
@@ -920,41 +914,6 @@ TOPK_FN void row_sync(int blocks) {
     block_sync();
 }
 
-// The split sort (DSQ_TOPK_CLUSTER_SORT): the row's selected words (k, or every candidate when there are at most
-// k) are its outputs [0, total); block g of the row takes the digits whose first output slot lies in its g-th of
-// them (offs: digit_offsets), so each block's words are a run of whole digits, in output order.
-TOPK_FN int split_total(const Threshold& th, int64_t k) { return th.digit < 0 ? th.above : static_cast<int>(k); }
-TOPK_FN int split_group(int off, int total, int blocks) {
-  return static_cast<int>(static_cast<int64_t>(off) * blocks / total);
-}
-// The first block, from the row's histogram (sh.row_digits) and threshold (sh.th): each digit's first output
-// slot into sh.digits, each block's first slot and count of words above the threshold digit into
-// sh.group_first / sh.group_above, and each block's lists emptied (its words above the threshold digit from
-// slot 0, those of the threshold digit after them). Every thread of the first block calls it.
-TOPK_FN void split_plan(int64_t k, int blocks, Shared& sh) {
-  const int tid = thread_id();
-  const Threshold th = sh.th;
-  if (th.above + th.in_bin > kSortWords) return;   // the first block selects the row alone
-  const int want = th.digit < 0 ? 0 : static_cast<int>(k) - th.above;
-  const int total = split_total(th, k);
-  digit_offsets(sh.row_digits, th, want, sh.digits, sh.scan);
-  if (tid < blocks) sh.group_first[tid] = sh.group_above[tid] = 0;
-  block_sync();
-  for (int d = tid; d < kDigits; d += kThreads) {
-    const int sel = d > th.digit ? sh.row_digits[d] : (d == th.digit ? want : 0);
-    if (sel == 0) continue;
-    const int g = split_group(sh.digits[d], total, blocks);
-    for (int h = g + 1; h < blocks; ++h) shared_add(&sh.group_first[h], sel);
-    if (d > th.digit) shared_add(&sh.group_above[g], sel);
-  }
-  block_sync();
-  if (tid < blocks) {
-    Shared& to = tid == 0 ? sh : *cluster_peer(&sh, tid);
-    to.fill[0] = 0;
-    to.fill[1] = sh.group_above[tid];
-  }
-}
-
 // Cached-row path: block `rank` of the `blocks` blocks (a cluster) that select row `row`. Each block reads its
 // part of the row's span once, into the key cache and its first-digit histogram. The threshold bin b of the row's
 // histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
@@ -967,7 +926,6 @@ TOPK_FN void split_plan(int64_t k, int blocks, Shared& sh) {
 // one instance each keeps the other's code out of the registers of the first.
 template <int DT, bool ADD>
 TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks, CacheShared& cs) {
-  constexpr bool kSplit = ADD && DSQ_TOPK_CLUSTER_SORT != 0;
   Shared& sh = cs.s;
   const int tid = thread_id();
   int64_t start, end;
@@ -1009,12 +967,9 @@ TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks
     for (int d = tid; d < kDigits; d += kThreads)
       if (digits[d]) shared_add(&row_hist[d], digits[d]);
     cluster_sync();
-    if (rank == 0) {
-      threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
-      if (kSplit) split_plan(a.k, blocks, sh);
-    }
+    if (rank == 0) threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
   }
-  if (!kSplit && rank == 0 && tid == 0) {
+  if (rank == 0 && tid == 0) {
     sh.fill[0] = 0;
     sh.fill[1] = sh.th.above;
   }
@@ -1023,39 +978,6 @@ TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks
   const Threshold th = ADD ? first.th : sh.th;   // (summed: every block found the same)
   const bool fits = th.above + th.in_bin <= kSortWords;   // the same in every block
 
-  if (kSplit && fits) {   // each candidate word to the block of its digit's share of the outputs
-    const int digit = th.digit, total = split_total(th, a.k);
-    const int* const offs = rank == 0 ? sh.digits : cluster_peer(sh.digits, 0);
-    const Words16* const kv = reinterpret_cast<const Words16*>(keys);
-    const int32_t pos0 = static_cast<int32_t>(lo);
-    for (int32_t i = tid; 4 * i < n; i += kThreads) {
-      const Words16 w = kv[i];
-      DSQ_UNROLL
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t key = w.w[j];
-        const int d = static_cast<int>(key >> kDigitShift);
-        if (4 * i + j < n && key != 0u && d >= digit) {
-          const int g = split_group(offs[d], total, blocks);
-          Shared& to = g == rank ? sh : *cluster_peer(&sh, g);
-          to.sort[shared_add(&to.fill[d > digit ? 0 : 1], 1)] = word_of(key, pos0 + 4 * i + j);
-        }
-      }
-    }
-    // this block's share, read before the barrier after which the first block may exit
-    const int my_first = first.group_first[rank], my_above = first.group_above[rank];
-    const bool my_bin = digit >= 0 && split_group(offs[digit], total, blocks) == rank;
-    row_sync(blocks);   // every word in its block's lists; no block touches another's memory after this
-    const int32_t rel = a.relative ? static_cast<int32_t>(start) : 0;
-    int32_t count = my_above;
-    if (my_bin) {   // this block's share ends with the threshold digit: its `want` largest words
-      const int want = static_cast<int>(a.k) - th.above, n_bin = sh.fill[1] - my_above;
-      if (n_bin > want) select_words(sh.sort + my_above, n_bin, want, sh);
-      count += want;
-    }
-    sort_and_write_part(a, row, rel, sh.sort, count, my_first);
-    if (rank == 0) pad_row(a, row, total);
-    return;
-  }
   if (fits) {
     const int digit = th.digit;
     const Words16* const kv = reinterpret_cast<const Words16*>(keys);
