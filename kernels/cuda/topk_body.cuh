@@ -256,6 +256,7 @@ struct Shared {
   Threshold th;
   int fill[2];
   int digit, above, in_bucket, total;
+  int crowded;   // bucket_sort_write: buckets holding more than kBucketMax words
 };
 
 // Shared memory of hist_block and scatter_block.
@@ -621,6 +622,118 @@ TOPK_FN void sort_and_write_part(const DsqTopkArgs& a, int64_t row, int32_t rel,
     out[first + j] = static_cast<int32_t>(~static_cast<uint32_t>(sorted[j])) - rel;
 }
 
+// ---- the bucket sort of a row's taken words (write_row) --------------------------------------------------------
+// The n <= k taken words are spread over kDigits buckets by their keys, bucket (key - lo) >> shift for the row's
+// smallest and largest taken keys lo and hi (shift: the fewest bits that leave hi - lo >> shift below kDigits),
+// so that bucket b's words all precede bucket b - 1's. A block scan of the bucket counts (from the top) gives each
+// bucket's first output slot, the words are copied bucket by bucket into the second half of the sort buffer, and
+// each word's place in its bucket is the count of its bucket's words larger than it: the outputs are written
+// there. Random logits put a few words in a bucket (their counts are small), so the sort costs a few passes over
+// the words instead of the log2(n)^2 / 2 stages of the bitonic network. Buckets of more than kBucketMax words (ties,
+// outliers that stretch the range) send the row to the bitonic sort. The result is the same either way: the order
+// of unique words.
+constexpr int kBucketMax = 32;
+
+// The smallest and largest key of the words buf[0, n) (n >= 1). Every thread calls it.
+TOPK_FN void key_range(const unsigned long long* buf, int32_t n, ScanShared& scan, uint32_t& lo, uint32_t& hi) {
+  const int tid = thread_id(), lane = tid & 31, warp = tid >> 5;
+  unsigned long long mx = 0ull, mn = 0xFFFFFFFFull;
+  for (int32_t i = tid; i < n; i += kThreads) {
+    const unsigned long long k = buf[i] >> 32;
+    mx = k > mx ? k : mx;
+    mn = k < mn ? k : mn;
+  }
+  auto warp_range = [](unsigned long long& x, unsigned long long& y) {
+    DSQ_UNROLL
+    for (int m = 16; m >= 1; m >>= 1) {
+      const unsigned long long u = shfl_xor_u64(x, m), v = shfl_xor_u64(y, m);
+      x = u > x ? u : x;
+      y = v < y ? v : y;
+    }
+  };
+  warp_range(mx, mn);
+  if (lane == 0) {
+    scan.warp_sums[warp] = mx;
+    scan.warp_ints[warp] = static_cast<int>(static_cast<uint32_t>(mn));
+  }
+  block_sync();
+  mx = lane < kWarps ? scan.warp_sums[lane] : 0ull;   // every warp reduces the warps' ranges
+  mn = lane < kWarps ? static_cast<uint32_t>(scan.warp_ints[lane]) : 0xFFFFFFFFull;
+  warp_range(mx, mn);
+  block_sync();   // scan is reused
+  lo = static_cast<uint32_t>(mn);
+  hi = static_cast<uint32_t>(mx);
+}
+
+// Sorts the n taken words at sh.sort[0, n) (1 <= n <= k, n <= kSortWords / 2) by buckets and writes their
+// positions (minus rel) to outputs 0 .. n - 1 of the row. Returns false, having written nothing (sh.sort intact),
+// when a bucket holds more than kBucketMax words. Every thread calls it.
+TOPK_FN bool bucket_sort_write(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t n, Shared& sh) {
+  constexpr int kPer = kSortWords / 2 / kThreads;   // words a thread
+  const int tid = thread_id();
+  uint32_t lo, hi;
+  key_range(sh.sort, n, sh.scan, lo, hi);
+  int shift = 0;
+  while (((hi - lo) >> shift) >= static_cast<uint32_t>(kDigits)) ++shift;
+  int* const offs = sh.digits;   // the bucket counts, then each bucket's first slot, then one past its last
+  for (int b = tid; b < kDigits; b += kThreads) offs[b] = 0;
+  if (tid == 0) sh.crowded = 0;
+  block_sync();
+  auto bucket = [lo, shift](unsigned long long w) {
+    return static_cast<int>((static_cast<uint32_t>(w >> 32) - lo) >> shift);
+  };
+  DSQ_UNROLL
+  for (int j = 0; j < kPer; ++j) {
+    const int32_t i = tid + j * kThreads;
+    if (i < n) shared_add(&offs[bucket(sh.sort[i])], 1);
+  }
+  block_sync();
+  // thread t holds buckets kDigits - 1 - (t * kDigitsPerThread + j), j = 0.., from the top (as threshold_bin)
+  int v[kDigitsPerThread];
+  int sum = 0, most = 0;
+  DSQ_UNROLL
+  for (int j = 0; j < kDigitsPerThread; ++j) {
+    v[j] = offs[kDigits - 1 - (tid * kDigitsPerThread + j)];
+    sum += v[j];
+    most = v[j] > most ? v[j] : most;
+  }
+  unsigned long long total;
+  int run = static_cast<int>(scan_block_exclusive(static_cast<unsigned long long>(sum), sh.scan, total));
+  if (most > kBucketMax) shared_add(&sh.crowded, 1);
+  DSQ_UNROLL
+  for (int j = 0; j < kDigitsPerThread; ++j) {
+    offs[kDigits - 1 - (tid * kDigitsPerThread + j)] = run;
+    run += v[j];
+  }
+  block_sync();
+  if (sh.crowded) return false;
+  // each word to a slot of its bucket; offs[b] then ends as bucket b's last slot + 1 (bucket b + 1's was its first)
+  unsigned long long* const by_bucket = sh.sort + kSortWords / 2;
+  DSQ_UNROLL
+  for (int j = 0; j < kPer; ++j) {
+    const int32_t i = tid + j * kThreads;
+    if (i < n) {
+      const unsigned long long w = sh.sort[i];
+      by_bucket[shared_add(&offs[bucket(w)], 1)] = w;
+    }
+  }
+  block_sync();
+  int32_t* const out = a.out + row * a.k;
+  DSQ_UNROLL
+  for (int j = 0; j < kPer; ++j) {
+    const int32_t i = tid + j * kThreads;
+    if (i < n) {
+      const unsigned long long w = sh.sort[i];
+      const int b = bucket(w);
+      const int first = b + 1 < kDigits ? offs[b + 1] : 0, last = offs[b];   // the bucket's slots
+      int rank = 0;
+      for (int q = first; q < last; ++q) rank += by_bucket[q] > w ? 1 : 0;
+      out[first + rank] = static_cast<int32_t>(~static_cast<uint32_t>(w)) - rel;
+    }
+  }
+  return true;
+}
+
 // Outputs from, from + 1, .., k - 1 of the row: -1 (the row has fewer than k candidates).
 TOPK_FN void pad_row(const DsqTopkArgs& a, int64_t row, int64_t from) {
   int32_t* const out = a.out + row * a.k;
@@ -678,7 +791,8 @@ TOPK_FN void write_row(const DsqTopkArgs& a, int64_t row, int32_t rel, int32_t a
     select_words(sh.sort + above, in_bin, static_cast<int32_t>(a.k - above), sh);
     n = static_cast<int32_t>(a.k);
   }
-  sort_and_write_part(a, row, rel, sh.sort, n, 0);
+  if (n == 0 || 2 * n > kSortWords || !bucket_sort_write(a, row, rel, n, sh))
+    sort_and_write_part(a, row, rel, sh.sort, n, 0);
   pad_row(a, row, n);
 }
 
