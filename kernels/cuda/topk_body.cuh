@@ -1033,7 +1033,9 @@ TOPK_FN void row_sync(int blocks) {
 // histogram (as row_block): up to kSumBlocks blocks, each block sums the blocks' histograms and finds b; more
 // blocks add their histograms into the first block's, which finds b (fewer reads of other blocks' memory, one more
 // cluster barrier). Each block then appends its cached keys above b and in b to the first block's two lists (that
-// block's shared memory, slots reserved by atomic adds), and the first block finishes the row as row_block does.
+// block's shared memory, slots reserved by atomic adds; up to 2 blocks, each block counts its slots in its own
+// shared memory, the first block's from the start of a list, the second's from its end, where a remote atomic made
+// each reservation a round trip to the other SM), and the first block finishes the row as row_block does.
 // A threshold bin too full for the sort buffer: the first block runs the one-block selection on the row.
 // blocks * kCacheKeys >= the row's span (run() checks it).
 // ADD: the histograms added into the first block's (blocks > kSumBlocks: cache_adds), else summed by each block;
@@ -1083,11 +1085,11 @@ TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks
     cluster_sync();
     if (rank == 0) threshold_bin(sh.row_digits, a.k, sh.scan, sh.th);
   }
-  if (rank == 0 && tid == 0) {
+  if (tid == 0 && (!ADD || rank == 0)) {   // the counters of the lists' slots (see below)
     sh.fill[0] = 0;
-    sh.fill[1] = sh.th.above;
+    sh.fill[1] = ADD ? sh.th.above : 0;
   }
-  row_sync(blocks);   // the first block's threshold and empty lists published; no histogram is read any more
+  row_sync(blocks);   // the threshold and the zeroed slot counters published; no histogram is read any more
   Shared& first = rank == 0 ? sh : *cluster_peer(&sh, 0);
   const Threshold th = ADD ? first.th : sh.th;   // (summed: every block found the same)
   const bool fits = th.above + th.in_bin <= kSortWords;   // the same in every block
@@ -1102,8 +1104,16 @@ TOPK_FN void cache_block(const DsqTopkArgs& a, int64_t row, int rank, int blocks
       for (int j = 0; j < 4; ++j) {
         const uint32_t key = w.w[j];
         const int d = static_cast<int>(key >> kDigitShift);
-        if (4 * i + j < n && key != 0u && d >= digit)
-          first.sort[shared_add(&first.fill[d > digit ? 0 : 1], 1)] = word_of(key, pos0 + 4 * i + j);
+        if (4 * i + j < n && key != 0u && d >= digit) {
+          const unsigned long long word = word_of(key, pos0 + 4 * i + j);
+          if constexpr (ADD) {
+            first.sort[shared_add(&first.fill[d > digit ? 0 : 1], 1)] = word;
+          } else {   // slots counted by each block: the first block's from a list's start, the second's from its end
+            const bool up = d > digit;
+            const int slot = shared_add(&sh.fill[up ? 0 : 1], 1), len = up ? th.above : th.in_bin;
+            first.sort[(up ? 0 : th.above) + (rank == 0 ? slot : len - 1 - slot)] = word;
+          }
+        }
       }
     }
   }
