@@ -69,6 +69,10 @@ def logits_of(rows, L, kind, seed, dtype=torch.float32, stride_pad=0):
         x = torch.where(pick < 0.05, float("nan"), x)
         x = torch.where((pick >= 0.05) & (pick < 0.07), float("inf"), x)
         x = torch.where((pick >= 0.07) & (pick < 0.3), float("-inf"), x)
+    elif kind == "outlier":   # random normal and a few huge values: the taken keys' range stretched, the words
+        x = torch.randn(rows, n, generator=g)   # crowded into few sort buckets (the bitonic sort's turn)
+        at = torch.randint(0, n, (rows, 3), generator=g)
+        x.scatter_(1, at, torch.tensor([1e30, -1e30, 3e29]).expand(rows, 3).contiguous())
     elif kind == "lsb":     # one sign and exponent: keys share their top 12 bits (one bin), differ below
         x = (0x3F900000 | torch.randint(0, 1 << 20, (rows, n), generator=g, dtype=torch.int32)).view(torch.float32)
     else:
@@ -120,6 +124,7 @@ CASES = {
     "ties-one-block-a-row": (3, 30000, 700, "ties", "prefill", 1, torch.float32, 1),
     "zeros-one-block-a-row-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, 1),
     "specials-one-block-a-row": (4, 10000, 600, "specials", "decode", 2, torch.float32, 1),
+    "outlier-one-block-a-row": (3, 20000, 1000, "outlier", "decode", 1, torch.float32, 1),
     "k2048-planned": (2, 40000, 2048, "randn", "decode", 1, torch.float32, 0),
     "ties-prefill": (3, 30000, 700, "ties", "prefill", 1, torch.float32, 4),
     "zeros-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, 3),
@@ -140,6 +145,7 @@ CASES = {
     # of the row cached, the words collected into the first block's lists
     "randn-cached-one-block": (4, 24000, 512, "randn", "decode", 1, torch.float32, -1),
     "ties-cached-2": (3, 30000, 700, "ties", "prefill", 1, torch.float32, -2),
+    "outlier-cached-2": (3, 20000, 1000, "outlier", "decode", 1, torch.float32, -2),
     "zeros-cached-fallback": (2, 9000, 1000, "zeros", "prefill", 1, torch.float32, -2),
     "specials-cached-4-mtp2": (4, 10000, 600, "specials", "decode", 2, torch.float32, -4),
     "lsb-cached-8": (2, 12000, 300, "lsb", "decode", 1, torch.float32, -8),
