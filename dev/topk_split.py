@@ -4,10 +4,10 @@
     TUNE="python3 dev/topk_split.py 0" dev/cuda_variants.sh "default:" "merge:-DDSQ_TOPK_MERGE=1"
 
 For each shape of dsaquant.bench_topk.SHAPES and each blocks-per-row count in CHUNKS (0: the library's own plan,
-dsq_topk_plan_chunks; 1: one block a row; -C: the cached-row path in clusters of C blocks; default: 0 1), one Markdown row: the CUDA-graph median per call
-(bench.time_graph, four input sets), whether the result equals the reference, and the device time of each kernel
-of the call (memset, histogram, scatter, finish or the one-block kernel) from the torch profiler. The copy and HBM
-read rates of the same run head the table. Needs a GPU and the built library (python/dsaquant/libdsaquant_cuda.so).
+dsq_topk_plan_chunks; 1: one block a row; -C: the cached-row path in clusters of C blocks; default: 0 1), one
+Markdown row: the CUDA-graph median per call (bench.time_graph, four input sets), whether the result equals the
+reference, and the device time of each kernel of the call (memset, histogram, scatter, finish or the one-block
+kernel) from the torch profiler. The copy and HBM read rates of the same run head the table. Needs a GPU and the built library (python/dsaquant/libdsaquant_cuda.so).
 """
 from __future__ import annotations
 
