@@ -14,13 +14,14 @@
 //     epilogue does: the two tiles of a pair (NT <= 64), or the two halves of the q rows of a tile (NT = 128). The
 //     epilogue: relu (NaN kept) times the head weight, summed over the heads of each query (in the thread, then
 //     across the four lanes of a row), times the row scale and weight_scale, stored; -inf past the context;
-//   * FP4 layouts feed the product's A operand from registers: each thread expands the packed E2M1 codes of its
-//     own two rows to e4m3 (a byte-permute table lookup; every E2M1 value is exact in e4m3), with a row's four
-//     UE8M0 block exponents folded into the values relative to the row's largest (value * 2^(6 - (emax
-//     - e))): exact while a row's exponents span at most 14 binades (the usual case by far; beyond that
-//     the small blocks round to e4m3 subnormals), and the row keeps one power-of-two scale 2^(emax - 133),
-//     the role the fp32 scale plays in fp8_132. q rows get the same treatment once per block (in shared
-//     memory, their k order permuted as the register fragments take it); their scale goes into the weights.
+//   * FP4 layouts feed the product's A operand from registers: lane q of a quad expands block q (32 codes, one
+//     16-byte load) of each of the quad's two rows to e4m3 (a byte-permute table lookup; every E2M1 value is exact
+//     in e4m3), with a row's four UE8M0 block exponents folded into the values relative to the row's largest
+//     (value * 2^(6 - (emax - e))): exact while a row's exponents span at most 14 binades (the usual case by
+//     far; beyond that the small blocks round to e4m3 subnormals), and the row keeps one power-of-two scale
+//     2^(emax - 133), the role the fp32 scale plays in fp8_132. Once folded, the 128 values of a row may go to
+//     the product in any order that q shares (the FP4 product order): each lane's block spans the four 32-wide steps. q rows
+//     get the same treatment once per block (in shared memory, in that order); their scale goes into the weights.
 // The work split depends on the shapes, max_seq_len and the device only, so one captured CUDA graph serves any
 // context lengths.
 //
@@ -171,9 +172,12 @@ SC_FN void fp4_table(int d, uint32_t& lo, uint32_t& hi) {
 }
 // The table entry of a block with exponent e in a row whose largest exponent is emax.
 SC_FN int lut_index(int e, int emax) { return e == 0 ? 32 : imin(emax - e, 31); }
-// Byte offset of block j of row m in a stage of packed E2M1 rows: 16-byte chunks swizzled by row pair so
-// that the eight rows a warp reads at once fall in distinct banks.
-SC_FN int raw_chunk(int m, int j) { return m * 64 + ((j ^ ((m >> 1) & 3)) << 4); }
+// Byte offset of block j of row m in a stage of packed E2M1 rows (64 bytes a row): eight lanes reading one
+// block each of two rows read 128 contiguous bytes.
+SC_FN int raw_chunk(int m, int j) { return m * 64 + j * 16; }
+// The FP4 product order: element 32 j + 8 s + 4 h + c of a folded row (block j, word s, c < 4) goes to k = 32 s
+// + 16 h + 4 j + c, the k that lane j of a quad holds in its A fragments of step s (mma_rs) when it expands
+// block j; q rows are stored in the same order.
 // The scale a row keeps after folding: 2^(emax - 127 - kFoldShift) from bits; 0 for an all-zero-scale
 // row, NaN when a block has the NaN scale 255 (SPEC §3).
 SC_FN float fold_scale(int emax) {
@@ -191,18 +195,24 @@ SC_FN void store_chunk(uint8_t* tile, int row, int c, U32x4 v) {
   *reinterpret_cast<U32x4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v;
 }
 // One q row: four packed E2M1 blocks (64 bytes) with exponents e (block j in byte j) -> a swizzled e4m3
-// row, each block's 32 values in the order the k side's register fragments use (mma_rs): the first
-// 16 bytes hold elements 8t + 0..3, the next 16 elements 8t + 4..7, t = 0..3. Returns the row's scale.
+// row in the FP4 product order: 16-byte chunk 2 s + h holds elements 8 s + 4 h + 0..3 of blocks 0..3.
+// Returns the row's scale.
 SC_FN float expand_q_row(const U32x4 (&raw)[4], uint32_t e, uint8_t* tile, int row) {
   const int emax = max4(e);
+  U32x2 p[4][4];   // [block][word]
   DSQ_UNROLL
   for (int j = 0; j < 4; ++j) {
     uint32_t lo, hi;
     e2m1_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
-    const U32x2 p0 = expand8(raw[j].x, lo, hi), p1 = expand8(raw[j].y, lo, hi), p2 = expand8(raw[j].z, lo, hi),
-                p3 = expand8(raw[j].w, lo, hi);
-    store_chunk(tile, row, 2 * j, U32x4{p0.x, p1.x, p2.x, p3.x});
-    store_chunk(tile, row, 2 * j + 1, U32x4{p0.y, p1.y, p2.y, p3.y});
+    p[j][0] = expand8(raw[j].x, lo, hi);
+    p[j][1] = expand8(raw[j].y, lo, hi);
+    p[j][2] = expand8(raw[j].z, lo, hi);
+    p[j][3] = expand8(raw[j].w, lo, hi);
+  }
+  DSQ_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    store_chunk(tile, row, 2 * w, U32x4{p[0][w].x, p[1][w].x, p[2][w].x, p[3][w].x});
+    store_chunk(tile, row, 2 * w + 1, U32x4{p[0][w].y, p[1][w].y, p[2][w].y, p[3][w].y});
   }
   return fold_scale(emax);
 }
@@ -519,13 +529,14 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
         }
         const int emax = max4(e);
         rscale[PB][hr] = fold_scale(emax);
+        const U32x2 tab = slut[lut_index(static_cast<int>((e >> (8 * tq)) & 255), emax)];
+        const U32x4 w = load16(raw + raw_chunk(m, tq));   // block tq of row m
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
         DSQ_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          const U32x2 tab = slut[lut_index(static_cast<int>((e >> (8 * j)) & 255), emax)];
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + raw_chunk(m, j) + 4 * tq);
-          const U32x2 x = expand8(w, tab.x, tab.y);
-          frag[PB][j][hr] = x.x;        // k 4*tq + 0..3:      elements 8*tq + 0..3 of block j
-          frag[PB][j][2 + hr] = x.y;    // k 16 + 4*tq + 0..3: elements 8*tq + 4..7 (q rows are permuted alike)
+        for (int s = 0; s < 4; ++s) {
+          const U32x2 x = expand8(words[s], tab.x, tab.y);
+          frag[PB][s][hr] = x.x;        // k 32 s + 4 tq + 0..3:      elements 8 s + 0..3 of block tq
+          frag[PB][s][2 + hr] = x.y;    // k 32 s + 16 + 4 tq + 0..3: elements 8 s + 4..7
         }
       }
     }
