@@ -193,14 +193,12 @@ def test_aiter_pages_across_tiles_are_left_to_triton(lib):
 
 
 @pytest.mark.parametrize("flags", [("-DDSQ_SCORER_DUAL_MAX_ROWS=128",),
-                                   ("-DDSQ_SCORER_STAGES_FP8=6", "-DDSQ_SCORER_STAGES_FP4=8"),
-                                   ("-DDSQ_SCORER_MAX_ROWS=64",)],
-                         ids=["dual-128-rows", "deeper-pipelines", "64-rows-a-block"])
+                                   ("-DDSQ_SCORER_STAGES_FP8=6", "-DDSQ_SCORER_STAGES_FP4=8")],
+                         ids=["dual-128-rows", "deeper-pipelines"])
 def test_build_variants(flags):
     """The build variants give the same logits: two accumulator sets of 128 q rows (DSQ_SCORER_DUAL_MAX_ROWS=128),
-    at most 64 q rows a block (DSQ_SCORER_MAX_ROWS=64: one query a block at H = 64), and more tile pairs in flight
-    (DSQ_SCORER_STAGES_*: the stage ring wraps at another count, more copy groups pending), over contexts of many
-    pairs and splits that end inside the ring."""
+    and more tile pairs in flight (DSQ_SCORER_STAGES_*: the stage ring wraps at another count, more copy groups
+    pending), over contexts of many pairs and splits that end inside the ring."""
     lib = load(flags)
     for layout in LAYOUTS:
         for (H, N, ctx, splits) in ((64, 2, 200, 0), (128, 1, 900, 2), (16, 7, 700, 3)):

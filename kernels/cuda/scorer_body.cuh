@@ -20,9 +20,8 @@
 //     (value * 2^(6 - (emax - e))): exact while a row's exponents span at most 14 binades (the usual case by
 //     far; beyond that the small blocks round to e4m3 subnormals), and the row keeps one power-of-two scale
 //     2^(emax - 133), the role the fp32 scale plays in fp8_132. Once folded, the 128 values of a row may go to
-//     the product in any order that q shares (the FP4 product order): each lane's block spans the four 32-wide
-//     steps. q rows get the same treatment once per block (in shared memory, in that order); their scale goes
-//     into the weights.
+//     the product in any order that q shares (the FP4 product order): each lane's block spans the four 32-wide steps. q rows
+//     get the same treatment once per block (in shared memory, in that order); their scale goes into the weights.
 // The work split depends on the shapes, max_seq_len and the device only, so one captured CUDA graph serves any
 // context lengths.
 //
@@ -87,12 +86,6 @@ static_assert(DSQ_SCORER_STAGES_FP4 % 2 == 0 && DSQ_SCORER_STAGES_FP4 >= 4, "DSQ
 #ifndef DSQ_SCORER_DUAL_MAX_ROWS
 #define DSQ_SCORER_DUAL_MAX_ROWS 64
 #endif
-// The most query rows (next_n * H) a block takes (64 or 128; H = 128 takes 128 whatever it is): fewer rows a block
-// means more blocks reading the same keys (from L2) with the dual accumulator sets.
-#ifndef DSQ_SCORER_MAX_ROWS
-#define DSQ_SCORER_MAX_ROWS 128
-#endif
-static_assert(DSQ_SCORER_MAX_ROWS == 64 || DSQ_SCORER_MAX_ROWS == 128, "DSQ_SCORER_MAX_ROWS: 64 or 128");
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
@@ -760,9 +753,9 @@ inline bool supported(const DsqPagedLogitsArgs& a) {
          a.page_size == 128;
 }
 
-// Queries per block: the next power of two >= N, up to DSQ_SCORER_MAX_ROWS query rows (H * NQ), at least one.
+// Queries per block: the next power of two >= N, up to 128 query rows (H * NQ <= 128).
 inline int queries_per_block(const DsqPagedLogitsArgs& a) {
-  const int64_t cap = a.H >= DSQ_SCORER_MAX_ROWS ? 1 : DSQ_SCORER_MAX_ROWS / a.H;
+  const int64_t cap = 128 / a.H;
   int64_t nq = 1;
   while (nq < a.N && nq < cap) nq *= 2;
   return static_cast<int>(nq);
