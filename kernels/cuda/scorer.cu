@@ -36,7 +36,9 @@ using dsqsc::smem_plan;
 
 // Blocks per SM the register allocation must allow (1: no limit). FP4 tiles of NT <= 64 query rows hold two
 // A-fragment sets besides the accumulators: bounded to 128 registers they fit four blocks an SM, which measured
-// faster than three on the small-batch shapes (fp8_132 measured faster unbounded, 111 registers). FP4 tiles of
+// faster than three on the small-batch shapes (fp8_132 measured faster unbounded, 111 registers). With the
+// expansion of one block a lane, three measured 0.2 to 0.8 µs faster at (64, 1, 8192) on the H100 (packed68
+// 29.3 µs against 29.7); the small-batch shapes were not timed again. FP4 tiles of
 // 128 rows (two 64-row accumulator sets and one fragment set) are bounded to three blocks an SM (168 registers,
 // no spills), what the one-set kernel reached unbounded; fp8_132 tiles of 128 rows are not bounded.
 #ifndef DSQ_SCORER_MIN_CTAS_FP8

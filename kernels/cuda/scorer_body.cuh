@@ -20,8 +20,9 @@
 //     (value * 2^(6 - (emax - e))): exact while a row's exponents span at most 14 binades (the usual case by
 //     far; beyond that the small blocks round to e4m3 subnormals), and the row keeps one power-of-two scale
 //     2^(emax - 133), the role the fp32 scale plays in fp8_132. Once folded, the 128 values of a row may go to
-//     the product in any order that q shares (the FP4 product order): each lane's block spans the four 32-wide steps. q rows
-//     get the same treatment once per block (in shared memory, in that order); their scale goes into the weights.
+//     the product in any order that q shares (the FP4 product order): each lane's block spans the four 32-wide
+//     steps. q rows get the same treatment once per block (in shared memory, in that order); their scale goes
+//     into the weights.
 // The work split depends on the shapes, max_seq_len and the device only, so one captured CUDA graph serves any
 // context lengths.
 //
@@ -82,7 +83,10 @@ static_assert(DSQ_SCORER_STAGES_FP8 % 2 == 0 && DSQ_SCORER_STAGES_FP8 >= 4, "DSQ
 static_assert(DSQ_SCORER_STAGES_FP4 % 2 == 0 && DSQ_SCORER_STAGES_FP4 >= 4, "DSQ_SCORER_STAGES_FP4: an even number >= 4");
 // The widest tile (query rows) that keeps two accumulator sets (the second tile's product overlaps the first's
 // epilogue); wider tiles keep one set, which leaves room for more resident blocks. 128 is a variant to time
-// (dev/cuda_variants.sh).
+// (dev/cuda_variants.sh). Capping a block at 64 query rows instead (one query a block at H = 64, two sets, the
+// keys read again from L2 by each query's block) measured slower on the H100: fp8_132 (4, 4, 32768) 18.3 µs
+// against 16.6 and (64, 2, 8192) 33.4 against 30.0; the FP4 layouts, which expand the keys again in every
+// block, 30 to 50 % slower.
 #ifndef DSQ_SCORER_DUAL_MAX_ROWS
 #define DSQ_SCORER_DUAL_MAX_ROWS 64
 #endif
