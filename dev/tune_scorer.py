@@ -16,7 +16,6 @@ import sys
 import torch
 
 from dsaquant import bench, bench_scorer
-from dsaquant import validate as V
 from dsaquant.triton.scorer import paged_mqa_logits as triton_scorer
 
 label = sys.argv[1] if len(sys.argv) > 1 else "default"
@@ -43,21 +42,16 @@ def sweep_triton(spec: str) -> None:
     print("|---|---|---|---|---:|---:|")
     for (B, N, ctx, H, contexts) in shapes:
         for layout in layouts:
-            first = bench_scorer.inputs(layout, B, N, H, ctx, contexts, 0)   # input sets as the bench cycles them
-            n_sets = min(4, max(1, -(-2 * bench_scorer.L2_BYTES // bench_scorer.must_move(first, layout))))
-            sets = [first] + [bench_scorer.inputs(layout, B, N, H, ctx, contexts, s) for s in range(1, n_sets)]
+            sets = bench_scorer.input_sets(layout, B, N, H, ctx, contexts)
             moved = sum(bench_scorer.must_move(a, layout) for a in sets) / len(sets)
             outs = [torch.empty((B * N, ctx), dtype=torch.float32, device="cuda") for _ in sets]
             idx = {id(a): i for i, a in enumerate(sets)}
-            kv = sets[0]["kv_cache"]   # pages of P slots: [NB, P * 132], [NB, P * 68] or aiter's [NB, 1, 4, P, 16]
-            row = 132 if layout == "fp8_132" else 68
-            P = kv.shape[3] if layout == "aiter_fp4" else V.page_size_of("kv_cache", kv, row)
             for knobs in knob_grid(spec):
                 def call(a, knobs=knobs):
                     triton_scorer(a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_tables"],
                                   a["max_seq_len"], layout, a.get("q_scale"), a.get("kv_cache_scale"),
-                                  a["weight_scale"], a.get("preshuffle", False), a.get("fp8_flavour"), P, True,
-                                  outs[idx[id(a)]], **knobs)
+                                  a["weight_scale"], a.get("preshuffle", False), a.get("fp8_flavour"),
+                                  bench_scorer.PAGE, True, outs[idx[id(a)]], **knobs)
                 name = " ".join(f"{k}={'auto' if v is None else v}" for k, v in knobs.items())
                 try:
                     us = bench.time_graph(call, sets, 20) * 1e6
@@ -71,11 +65,9 @@ def sweep_triton(spec: str) -> None:
 if os.environ.get("TUNE_TRITON"):
     sweep_triton(os.environ["TUNE_TRITON"])
     sys.exit(0)
-rows = bench_scorer.run(backends, copy, None, shapes=shapes, log=lambda *_: None)
+rows = bench_scorer.run(backends, copy, None, shapes=shapes, log=lambda *_: None, layouts=layouts)
 print("| variant | batch, next_n, context, H | contexts | layout | backend | median µs | % copy |")
 print("|---|---|---|---|---|---:|---:|")
 for r in rows:
-    if r["op"].split()[-1] not in layouts:
-        continue
     print(f"| {label} | {r['batch']}, {r['next_n']}, {r['context']}, {r['heads']} | {r['contexts']} | "
           f"{r['op'].split()[-1]} | {r['backend']} | {r['us']:.1f} | {r['pct_copy']:.1f} |", flush=True)

@@ -24,10 +24,11 @@ SHAPES = (
 )
 LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 L2_BYTES = 60 << 20
+PAGE = 64   # slots per cache page
 
 
 def inputs(layout, B, N, H, ctx, contexts, seed):
-    a = make_scorer_inputs(layout, B, N, H, ctx, device="cuda", seed=seed)
+    a = make_scorer_inputs(layout, B, N, H, ctx, page_size=PAGE, device="cuda", seed=seed)
     if contexts == "uniform":
         g = torch.Generator(device="cuda").manual_seed(seed)
         lens = (torch.rand(B, generator=g, device="cuda") * 0.3 + 0.7) * ctx
@@ -43,8 +44,15 @@ def must_move(a, layout) -> int:
     return keys * row + a["q"].numel() + qs + a["weights"].numel() * 4 + B * N * a["max_seq_len"] * 4
 
 
+def input_sets(layout, B, N, H, ctx, contexts) -> list[dict]:
+    """The input sets a timing cycles over: enough that together they move at least twice the L2 (at most 4)."""
+    first = inputs(layout, B, N, H, ctx, contexts, 0)
+    n_sets = min(4, max(1, -(-2 * L2_BYTES // must_move(first, layout))))
+    return [first] + [inputs(layout, B, N, H, ctx, contexts, s) for s in range(1, n_sets)]
+
+
 def run(backends, copy_gb_s: float, fp8_tflops: float | None, shapes=SHAPES, log=print,
-        read_gb_s: float | None = None) -> list[dict]:
+        read_gb_s: float | None = None, layouts=LAYOUTS) -> list[dict]:
     """One row per (shape, layout, backend); `auto` in each row is the backend the automatic choice picks
     for the shape. `read_gb_s`: the HBM read ceiling already measured in this run (None: measured here)."""
     if read_gb_s is None:
@@ -52,11 +60,8 @@ def run(backends, copy_gb_s: float, fp8_tflops: float | None, shapes=SHAPES, log
         log(f"HBM read (read-only reduction): {read_gb_s:.0f} GB/s")
     rows = []
     for (B, N, ctx, H, contexts) in shapes:
-        for layout in LAYOUTS:
-            first = inputs(layout, B, N, H, ctx, contexts, 0)
-            per_set = must_move(first, layout)
-            sets = [first] + [inputs(layout, B, N, H, ctx, contexts, s)
-                              for s in range(1, min(4, max(1, -(-2 * L2_BYTES // per_set))))]
+        for layout in layouts:
+            sets = input_sets(layout, B, N, H, ctx, contexts)
             moved = sum(must_move(a, layout) for a in sets) / len(sets)
             flops = sum(2 * N * H * 128 * int(a["context_lens"].sum()) for a in sets) / len(sets)
             auto = bench.auto_of("paged_mqa_logits", B * N)
