@@ -3,7 +3,9 @@
 profiles the second (warm) call's main kernel.
 
 Writers (H = 64, T = 8192 unless given): fp8, fp4 (indexer_qk_rope_quant_and_cache), qpack (index_q_rope_pack_weights),
-rotate (rope_rotate_quant, D = 128, into FP4).
+rotate (rope_rotate_quant, D = 128, into FP4), kpack (index_k_norm_rope_pack_store), v4k
+(rmsnorm_rope_rotate_fp4quant_kvcache), compress4 / compress128 (compress_kv prefill, one T-token prompt, ratio 4 /
+128, FP4 packed68, the bench's arguments), compress_dec (compress_kv decode, the bench's 64 sequences of one token).
 Read side (the bench's shapes): topk64 (top-2048 of [64, 65536] fp32), topk4 (of [4, 163840]): on sm_90 both the
 cached-row kernel, in clusters of 2 and 8 blocks a row, scorer_fp8_132 / scorer_packed68 / scorer_aiter_fp4
 (paged_mqa_logits, batch 64, next_n 1, context 8192, full), prefill_fp8 / prefill_fp4 (mqa_logits, S = 2048,
@@ -17,7 +19,7 @@ import dsaquant as dq
 from dsaquant import testing as tt
 
 # The kernels a case profiles (ncu --kernel-name regex): one launch a call matches.
-KERNELS = "indexer_kernel|qpack_kernel|rope_rotate_kernel|topk_cache_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
+KERNELS = "indexer_kernel|kstore_kernel|compress_kv_kernel|qpack_kernel|rope_rotate_kernel|topk_cache_kernel|topk_row_kernel|topk_finish_kernel|paged_logits_kernel|mqa_logits_kernel"
 
 what = sys.argv[1] if len(sys.argv) > 1 else "fp8"
 if what == "--kernels":
@@ -35,6 +37,20 @@ elif what == "rotate":
     from dsaquant import compress
     a = tt.make_rope_rotate_quant(T=T, H=64, device="cuda")
     call = lambda: compress.rope_rotate_quant(**a, backend=backend)  # noqa: E731
+elif what == "kpack":
+    a = tt.make_k_store(T=T, device="cuda")
+    call = lambda: dq.index_k_norm_rope_pack_store(**a, backend=backend)  # noqa: E731
+elif what == "v4k":
+    a = tt.make_v4_k(T=T, device="cuda")
+    call = lambda: dq.rmsnorm_rope_rotate_fp4quant_kvcache(**a, backend=backend)  # noqa: E731
+elif what.startswith("compress"):
+    from dsaquant import compress
+    from dsaquant.bench import v4_cases
+    label = {"compress4": "compress_kv prefill r4 fp4", "compress128": "compress_kv prefill r128 fp4",
+             "compress_dec": "compress_kv decode B=64 r4 fp4"}[what]
+    make = next(c[4] for c in v4_cases((T,)) if c[0] == label)
+    a = make(0)
+    call = lambda: compress.compress_kv(**a, backend=backend)  # noqa: E731
 elif what in ("topk64", "topk4"):
     from dsaquant.topk import topk_indices
     rows, L = (64, 65536) if what == "topk64" else (4, 163840)

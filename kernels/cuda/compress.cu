@@ -1,7 +1,7 @@
 // kernels/cuda/compress.cu: SPEC §7.6 compress_kv and §7.7 rope_rotate_quant on the GPU. The kernel bodies are
 // compress_body.cuh and rotate_body.cuh (shared with the host emulator of tests/cpp/compress_host.cpp); this file
 // supplies the SIMT layer (thread/block ids, block barrier, 32-lane shuffles, the error-flag atomic, an L1 prefetch
-// hint, 16/8/4-byte loads and stores), the kernels and the launchers.
+// hint, 16/8-byte loads, 16/8/4-byte stores), the kernels and the launchers.
 //
 // compress_kv: one launch, 256 threads a block, grid = B sequence blocks + the token-range blocks (compress_args.h
 //   compress_grid: one range of `ratio` tokens a block, or 8 a block, one a warp, for calls of many ranges);
@@ -38,6 +38,11 @@ __device__ __forceinline__ void ld16(const void* p, uint32_t (&w)[4]) {
   w[1] = v.y;
   w[2] = v.z;
   w[3] = v.w;
+}
+__device__ __forceinline__ void ld8(const void* p, uint32_t (&w)[2]) {
+  const uint2 v = *static_cast<const uint2*>(p);
+  w[0] = v.x;
+  w[1] = v.y;
 }
 __device__ __forceinline__ void st16(void* p, const uint32_t (&w)[4]) {
   *static_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);

@@ -14,6 +14,9 @@
 //                              lane of the warp calls it together
 //   void atomic_or(int*, int)  the error flag (python/dsaquant/errors.py codes)
 //   void prefetch_l1(const void*) a hint: the line holding the address into the SM's L1 (may do nothing)
+//   void ld16(const void* p, uint32_t (&w)[4]), ld8(const void* p, uint32_t (&w)[2])
+//                              the 16 / 8 bytes at p (aligned to their size), little endian words
+//   void st16(void* p, const uint32_t (&w)[4]) the 16 bytes at p (16-byte aligned)
 // All format math is the shared header's (src/include/dsaquant); this file only distributes it.
 #pragma once
 
@@ -266,6 +269,20 @@ V4_FN int64_t seq_of_token(const CompressArgs& a, int64_t i) {
   return lo;
 }
 
+// Whether every row compress_kv reads or writes with vector accesses is 16-byte aligned (the pointers and row
+// strides of kv, score, ape and the ring), for the vector paths of the ring update and the warp pool.
+V4_FN bool window_vec(const CompressArgs& a) {
+  const int esz = a.in_dt == kF32 ? 4 : 2;
+  const uint64_t bits = reinterpret_cast<uintptr_t>(a.kv) | reinterpret_cast<uintptr_t>(a.score) |
+                        reinterpret_cast<uintptr_t>(a.ape) | reinterpret_cast<uintptr_t>(a.state_kv) |
+                        reinterpret_cast<uintptr_t>(a.state_score) |
+                        static_cast<uint64_t>(a.kv_st * esz) | static_cast<uint64_t>(a.sc_st * esz) |
+                        static_cast<uint64_t>(a.ape_st * 4) | static_cast<uint64_t>(a.skv_s0 * 4) |
+                        static_cast<uint64_t>(a.skv_s1 * 4) | static_cast<uint64_t>(a.ssc_s0 * 4) |
+                        static_cast<uint64_t>(a.ssc_s1 * 4);
+  return (bits & 15u) == 0;
+}
+
 // Window row k (0..K-1) of the boundary at token i, position p, column c (0..D-1). The row's position is
 // s = p - K + 1 + k (callers skip s < 0: excluded). Column half: the overlap half [0, D) for k < ratio with
 // overlap, else the current half [D, 2D) (without overlap the only half, [0, D)).
@@ -296,20 +313,22 @@ V4_FN int64_t ring_row(const CompressArgs& a, const Win& w, int k) {
   return r >= a.R ? r - a.R : r;
 }
 // sig_k = fl(score[r] + ape[s mod ratio]) from the inputs, else the ring row as stored. s = s0 + k >= 0.
-template <int K, int D>
+// DT: the inputs' dtype (kF32 or kBF16). RING: whether the window may reach into the ring; a range block's never
+// does (see above), and its code then has no branch a value.
+template <int K, int D, int DT, bool RING>
 V4_FN float window_sig(const CompressArgs& a, const Win& w, int k, int c) {
   const int col = window_col<K, D>(k, c);
   const int64_t s = w.s0 + k;
-  if (s >= w.start) {
+  if (!RING || s >= w.start) {
     const int64_t r = w.i - (K - 1 - k);
-    return fadd(load_f(a.score, r * a.sc_st + col, a.in_dt), a.ape[(s & (Geo<K>::kRatio - 1)) * a.ape_st + col]);
+    return fadd(load_f(a.score, r * a.sc_st + col, DT), a.ape[(s & (Geo<K>::kRatio - 1)) * a.ape_st + col]);
   }
   return a.state_score[w.slot * a.ssc_s0 + ring_row(a, w, k) * a.ssc_s1 + col];
 }
-template <int K, int D>
+template <int K, int D, int DT, bool RING>
 V4_FN float window_kv(const CompressArgs& a, const Win& w, int k, int c) {
   const int col = window_col<K, D>(k, c);
-  if (w.s0 + k >= w.start) return load_f(a.kv, (w.i - (K - 1 - k)) * a.kv_st + col, a.in_dt);
+  if (!RING || w.s0 + k >= w.start) return load_f(a.kv, (w.i - (K - 1 - k)) * a.kv_st + col, DT);
   return a.state_kv[w.slot * a.skv_s0 + ring_row(a, w, k) * a.skv_s1 + col];
 }
 
@@ -335,8 +354,8 @@ V4_FN void prefetch_window(const CompressArgs& a, const Win& w) {
 }
 
 // SPEC §7.6 step 2 for every column of one boundary: sm.y[c] = the pooled value. All threads call it.
-template <int K, int D>
-V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
+template <int K, int D, int DT, bool RING>
+V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
   using G = Geo<K>;
   constexpr int kR = G::kQ * 4;                // window rows per thread
   const int tid = thread_id(), warp = tid >> 5, lane = tid & 31;
@@ -359,7 +378,7 @@ V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64
         const int64_t s = s0 + k;
         v[4 * qq + r] = 0.0f;
         if (s >= 0) {
-          v[4 * qq + r] = window_sig<K, D>(a, w, k, c);
+          v[4 * qq + r] = window_sig<K, D, DT, RING>(a, w, k, c);
           pool_max_add(st, v[4 * qq + r]);
         }
       }
@@ -399,7 +418,7 @@ V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64
       V4_UNROLL
       for (int r = 0; r < 4; ++r) {
         const int k = 4 * (pl + G::kPL * qq) + r;
-        t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], window_kv<K, D>(a, w, k, c)) : 0.0f;
+        t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], window_kv<K, D, DT, RING>(a, w, k, c)) : 0.0f;
       }
       part[qq] = canonical_partial(t[0], t[1], t[2], t[3]);
     }
@@ -413,6 +432,11 @@ V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64
     for (int x = G::kPL / 2; x >= 1; x >>= 1) y = fadd(y, shfl_xor(y, x * G::kCL));
     if (pl == 0) sm.y[c] = pool_finish(y, st);
   }
+}
+template <int K, int D, bool RING = true>
+V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
+  if (a.in_dt == kF32) pool_row_dt<K, D, kF32, RING>(a, sm, q, i, p);
+  else pool_row_dt<K, D, kBF16, RING>(a, sm, q, i, p);
 }
 
 // What warp 0 (or a range warp) needs besides the pooled row, loaded before the pool so that its loads overlap
@@ -526,13 +550,13 @@ V4_FN int64_t boundary_slot(const CompressArgs& a, int64_t i, int64_t p, bool le
 
 // One boundary (token i at position p of sequence q) on the whole block: pool, then warp 0 finishes and stores.
 // Block-uniform.
-template <int K, int D>
+template <int K, int D, bool RING>
 V4_FN void compress_boundary(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
   const int tid = thread_id();
   const int64_t slot = boundary_slot<K>(a, i, p, tid == 0);
   FinishIn<D> f;
   if (tid < 32) f = finish_in<K, D>(a, p, tid);
-  pool_row<K, D>(a, sm, q, i, p);
+  pool_row<K, D, RING>(a, sm, q, i, p);
   block_sync();
   if (slot >= 0 && tid < 32) {
     constexpr int V = D / 32;
@@ -544,31 +568,87 @@ V4_FN void compress_boundary(const CompressArgs& a, CompressSmem& sm, const Seq&
   block_sync();                                // sm.y is free again
 }
 
+// 4 consecutive elements of type DT (fp32 / bf16) from p as fp32 (exact): one 16-byte (fp32) or 8-byte (bf16) load
+// when VEC (p aligned so).
+template <int DT, bool VEC>
+V4_FN void load4_f(const void* p, float (&x)[4]) {
+  if constexpr (!VEC) {
+    V4_UNROLL
+    for (int e = 0; e < 4; ++e) x[e] = load_f(p, e, DT);
+  } else if constexpr (DT == kF32) {
+    uint32_t u[4];
+    ld16(p, u);
+    V4_UNROLL
+    for (int e = 0; e < 4; ++e) x[e] = u2f(u[e]);
+  } else {
+    uint32_t u[2];
+    ld8(p, u);
+    V4_UNROLL
+    for (int e = 0; e < 4; ++e) x[e] = bf16_to_f32(static_cast<uint16_t>(u[e / 2] >> (16 * (e & 1))));
+  }
+}
+
+// The window of one boundary for columns c0 .. c0+3 (K <= 8, D = 128): sig[k][e] and kv[k][e] of window row k,
+// column c0 + e (rows before position 0: not read, zeros). The source of a row (this call's inputs or the ring)
+// is decided once a row, and each row is one vector load a tensor.
+template <int K, int DT, bool VEC, bool RING>
+V4_FN void window4(const CompressArgs& a, const Win& w, int c0, float (&sig)[K][4], float (&kv)[K][4]) {
+  constexpr int esz = DT == kF32 ? 4 : 2;
+  V4_UNROLL
+  for (int k = 0; k < K; ++k) {
+    const int64_t s = w.s0 + k;
+    const int col = window_col<K, 128>(k, c0);
+    V4_UNROLL
+    for (int e = 0; e < 4; ++e) sig[k][e] = kv[k][e] = 0.0f;
+    if (s < 0) continue;
+    if (!RING || s >= w.start) {
+      const int64_t r = w.i - (K - 1 - k);
+      float ap[4];
+      load4_f<DT, VEC>(static_cast<const char*>(a.score) + (r * a.sc_st + col) * esz, sig[k]);
+      load4_f<DT, VEC>(static_cast<const char*>(a.kv) + (r * a.kv_st + col) * esz, kv[k]);
+      load4_f<kF32, VEC>(a.ape + (s & (Geo<K>::kRatio - 1)) * a.ape_st + col, ap);
+      V4_UNROLL
+      for (int e = 0; e < 4; ++e) sig[k][e] = fadd(sig[k][e], ap[e]);
+    } else {
+      const int64_t rr = ring_row(a, w, k);
+      load4_f<kF32, VEC>(a.state_score + w.slot * a.ssc_s0 + rr * a.ssc_s1 + col, sig[k]);
+      load4_f<kF32, VEC>(a.state_kv + w.slot * a.skv_s0 + rr * a.skv_s1 + col, kv[k]);
+    }
+  }
+}
+
 // SPEC §7.6 step 2 of one boundary on one warp (K <= 8, D = 128): lane l pools columns 4l .. 4l+3 over the whole
 // window in its registers, in the order of pool.h's pool_window (one thread, the canonical sums in place).
-template <int K>
-V4_FN void pool_warp(const CompressArgs& a, const Win& w, int lane, float (&y)[4]) {
+template <int K, int DT, bool VEC, bool RING>
+V4_FN void pool_warp_dt(const CompressArgs& a, const Win& w, int lane, float (&y)[4]) {
   static_assert(K <= 8, "a lane holds every window row");
+  float sig[K][4], kv[K][4];
+  window4<K, DT, VEC, RING>(a, w, 4 * lane, sig, kv);
   V4_UNROLL
   for (int e = 0; e < 4; ++e) {
-    const int c = 4 * lane + e;
     float v[K];
     PoolMax st = pool_max_init();
     V4_UNROLL
     for (int k = 0; k < K; ++k) {
-      v[k] = 0.0f;
-      if (w.s0 + k >= 0) {
-        v[k] = window_sig<K, 128>(a, w, k, c);
-        pool_max_add(st, v[k]);
-      }
+      if (w.s0 + k >= 0) pool_max_add(st, sig[k][e]);
     }
     V4_UNROLL
-    for (int k = 0; k < K; ++k) v[k] = w.s0 + k >= 0 ? pool_exp(v[k], st.m) : 0.0f;
+    for (int k = 0; k < K; ++k) v[k] = w.s0 + k >= 0 ? pool_exp(sig[k][e], st.m) : 0.0f;
     const float S = canonical_sum<K>(v);
     const float yv = canonical_sum_map<K>([&](int k) {
-      return w.s0 + k >= 0 ? fmul(pool_weight(v[k], S), window_kv<K, 128>(a, w, k, c)) : 0.0f;
+      return w.s0 + k >= 0 ? fmul(pool_weight(v[k], S), kv[k][e]) : 0.0f;
     });
     y[e] = pool_finish(yv, st);
+  }
+}
+template <int K, bool RING = true>
+V4_FN void pool_warp(const CompressArgs& a, const Win& w, int lane, float (&y)[4]) {
+  if (window_vec(a)) {
+    if (a.in_dt == kF32) pool_warp_dt<K, kF32, true, RING>(a, w, lane, y);
+    else pool_warp_dt<K, kBF16, true, RING>(a, w, lane, y);
+  } else {
+    if (a.in_dt == kF32) pool_warp_dt<K, kF32, false, RING>(a, w, lane, y);
+    else pool_warp_dt<K, kBF16, false, RING>(a, w, lane, y);
   }
 }
 
@@ -578,7 +658,7 @@ V4_FN void compress_boundary_warp(const CompressArgs& a, const Seq& q, int64_t i
   const int64_t slot = boundary_slot<K>(a, i, p, lane == 0);
   FinishIn<128> f = finish_in<K, 128>(a, p, lane);
   float y[4];
-  pool_warp<K>(a, window_of<K>(a, q, i, p), lane, y);
+  pool_warp<K, false>(a, window_of<K>(a, q, i, p), lane, y);   // a range's window: this call's inputs only
   if (slot >= 0) finish_values<K, 128>(a, y, f, slot, lane);
 }
 
@@ -587,58 +667,124 @@ V4_FN bool is_boundary(int64_t p) { return p >= 0 && ((p + 1) & (Geo<K>::kRatio 
 
 // State update (SPEC §7.6): ring row [slot, p mod R] of each of the sequence's last K tokens (p >= 0) gets
 // kv (fp32, exact) and fl(score + ape[p mod ratio]) (a NaN stored canonical), over the full width C.
-// The n <= K rows x C columns are one flat range of elements, thread t taking elements t + kThreads*u; the
-// elements go in batches of kU a thread, all loads of a batch before its stores (a store may alias a later load
-// for all the compiler knows, so a row at a time would wait for memory once per row).
+// The n <= K rows x C columns are cut into units of 8 consecutive columns of one row (16-byte loads and stores),
+// thread t taking units t + kThreads*u; the units go in batches of kU a thread, all loads of a batch before its
+// stores (a store may alias a later load for all the compiler knows, so a unit at a time would wait for memory
+// once per unit), the batches in a loop that is not unrolled: a short kernel runs its code once, from a cold
+// instruction cache, so the code it runs is kept short. Inputs or ring rows that are not 16-byte aligned take
+// the same loop with scalar loads and stores.
 template <int K, int D>
 struct Ring {
   static constexpr int kC = (Geo<K>::kOverlap ? 2 : 1) * D;
-  static constexpr int kPerThread = K * kC / kThreads;             // (K*C a multiple of kThreads)
-  static constexpr int kU = kPerThread < 32 ? kPerThread : 32;
+  static constexpr int kUnits = K * kC / 8;                               // units of the K rows
+  static constexpr int kPerThread = (kUnits + kThreads - 1) / kThreads;
+  static constexpr int kU = kPerThread < 4 ? kPerThread : 4;              // (kUnits / kThreads a multiple of 4)
   static constexpr int kBatches = kPerThread / kU;
   // The first batch is loaded before the sequence block's boundaries (it only reads inputs) and stored after them,
-  // so that a decode step waits for memory once: where the whole ring fits in a few registers.
-  static constexpr bool kEarly = kBatches == 1 && kU <= 8;
+  // so that a decode step waits for memory once: where the whole ring is one batch of a few registers.
+  static constexpr bool kEarly = kBatches == 1 && kU <= 2;
 };
 template <int U>
 struct RingBatch {
-  float kv[U], sc[U];
+  float kv[U][8], sc[U][8];
 };
+// 8 consecutive elements of type DT (fp32 / bf16) from p as fp32 (exact): 16-byte loads when VEC.
+template <int DT, bool VEC>
+V4_FN void load8_f(const void* p, float (&x)[8]) {
+  static_assert(DT == kF32 || DT == kBF16, "fp32 or bf16 rows");
+  uint32_t w[4];
+  if constexpr (!VEC) {
+    V4_UNROLL
+    for (int e = 0; e < 8; ++e) x[e] = load_f(p, e, DT);
+  } else if constexpr (DT == kF32) {
+    V4_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      ld16(static_cast<const float*>(p) + 4 * h, w);
+      V4_UNROLL
+      for (int e = 0; e < 4; ++e) x[4 * h + e] = u2f(w[e]);
+    }
+  } else {
+    ld16(p, w);
+    V4_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      x[2 * e] = bf16_to_f32(static_cast<uint16_t>(w[e]));
+      x[2 * e + 1] = bf16_to_f32(static_cast<uint16_t>(w[e] >> 16));
+    }
+  }
+}
+template <bool VEC>
+V4_FN void store8_f(float* p, const float (&x)[8]) {
+  if constexpr (!VEC) {
+    V4_UNROLL
+    for (int e = 0; e < 8; ++e) p[e] = x[e];
+  } else {
+    V4_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t w[4] = {f2u(x[4 * h]), f2u(x[4 * h + 1]), f2u(x[4 * h + 2]), f2u(x[4 * h + 3])};
+      st16(p + 4 * h, w);
+    }
+  }
+}
+// Unit u of the thread's batch `batch`: its row (0 .. n-1 of the sequence's last n <= K tokens) and first column.
 template <int K, int D>
-V4_FN void ring_load(const CompressArgs& a, const Seq& q, int batch, RingBatch<Ring<K, D>::kU>& rb) {
+V4_FN void ring_unit(int batch, int u, int& row, int& c) {
   using RG = Ring<K, D>;
+  const int unit = (batch * RG::kU + u) * kThreads + thread_id();
+  row = unit / (RG::kC / 8);
+  c = 8 * (unit % (RG::kC / 8));
+}
+template <int K, int D, int DT, bool VEC>
+V4_FN void ring_load_dt(const CompressArgs& a, const Seq& q, int batch, RingBatch<Ring<K, D>::kU>& rb) {
+  using RG = Ring<K, D>;
+  constexpr int esz = DT == kF32 ? 4 : 2;
   const int64_t j0 = q.len > K ? q.len - K : 0;
   const int64_t n = q.len - j0;
   V4_UNROLL
   for (int u = 0; u < RG::kU; ++u) {
-    const int el = (batch * RG::kU + u) * kThreads + thread_id();
-    const int row = el / RG::kC, c = el % RG::kC;
+    int row, c;
+    ring_unit<K, D>(batch, u, row, c);
     const int64_t pos = q.start + j0 + row, i = q.first + j0 + row;
-    rb.kv[u] = 0.0f;
-    rb.sc[u] = 0.0f;
     if (row < n && pos >= 0) {
-      rb.kv[u] = load_f(a.kv, i * a.kv_st + c, a.in_dt);
-      rb.sc[u] = canon_nan(fadd(load_f(a.score, i * a.sc_st + c, a.in_dt),
-                                a.ape[(pos & (Geo<K>::kRatio - 1)) * a.ape_st + c]));
+      float ap[8];
+      load8_f<DT, VEC>(static_cast<const char*>(a.kv) + (i * a.kv_st + c) * esz, rb.kv[u]);
+      load8_f<DT, VEC>(static_cast<const char*>(a.score) + (i * a.sc_st + c) * esz, rb.sc[u]);
+      load8_f<kF32, VEC>(a.ape + (pos & (Geo<K>::kRatio - 1)) * a.ape_st + c, ap);
+      V4_UNROLL
+      for (int e = 0; e < 8; ++e) rb.sc[u][e] = canon_nan(fadd(rb.sc[u][e], ap[e]));
     }
   }
 }
 template <int K, int D>
-V4_FN void ring_store(const CompressArgs& a, const Seq& q, int batch, const RingBatch<Ring<K, D>::kU>& rb) {
+V4_FN void ring_load(const CompressArgs& a, const Seq& q, int batch, bool vec, RingBatch<Ring<K, D>::kU>& rb) {
+  if (vec) {
+    if (a.in_dt == kF32) ring_load_dt<K, D, kF32, true>(a, q, batch, rb);
+    else ring_load_dt<K, D, kBF16, true>(a, q, batch, rb);
+  } else {
+    if (a.in_dt == kF32) ring_load_dt<K, D, kF32, false>(a, q, batch, rb);
+    else ring_load_dt<K, D, kBF16, false>(a, q, batch, rb);
+  }
+}
+template <int K, int D, bool VEC>
+V4_FN void ring_store_v(const CompressArgs& a, const Seq& q, int batch, const RingBatch<Ring<K, D>::kU>& rb) {
   using RG = Ring<K, D>;
   const int64_t j0 = q.len > K ? q.len - K : 0;
   const int64_t n = q.len - j0;
   const int64_t ring0 = mod_floor(q.start + j0, a.R);   // then rows advance by one, wrapping at most once (n <= R)
   V4_UNROLL
   for (int u = 0; u < RG::kU; ++u) {
-    const int el = (batch * RG::kU + u) * kThreads + thread_id();
-    const int row = el / RG::kC, c = el % RG::kC;
+    int row, c;
+    ring_unit<K, D>(batch, u, row, c);
     if (row < n && q.start + j0 + row >= 0) {
       const int64_t r = ring0 + row >= a.R ? ring0 + row - a.R : ring0 + row;
-      a.state_kv[q.slot * a.skv_s0 + r * a.skv_s1 + c] = rb.kv[u];
-      a.state_score[q.slot * a.ssc_s0 + r * a.ssc_s1 + c] = rb.sc[u];
+      store8_f<VEC>(a.state_kv + q.slot * a.skv_s0 + r * a.skv_s1 + c, rb.kv[u]);
+      store8_f<VEC>(a.state_score + q.slot * a.ssc_s0 + r * a.ssc_s1 + c, rb.sc[u]);
     }
   }
+}
+template <int K, int D>
+V4_FN void ring_store(const CompressArgs& a, const Seq& q, int batch, bool vec, const RingBatch<Ring<K, D>::kU>& rb) {
+  if (vec) ring_store_v<K, D, true>(a, q, batch, rb);
+  else ring_store_v<K, D, false>(a, q, batch, rb);
 }
 
 // First local index j >= j_lo of sequence q that is a boundary (p = start + j >= 0, (p + 1) mod ratio == 0).
@@ -685,19 +831,20 @@ V4_FN void sequence_block(const CompressArgs& a, CompressSmem& sm, int64_t b) {
     return;
   }
   RingBatch<RG::kU> rb;
-  if (RG::kEarly && a.update_state) ring_load<K, D>(a, q, 0, rb);
+  const bool vec = window_vec(a);
+  if (RG::kEarly && a.update_state) ring_load<K, D>(a, q, 0, vec, rb);
   const int64_t lim = q.len < K - 1 ? q.len : K - 1;
   const int64_t j = first_boundary<K>(q, 0);
-  if (j < lim) compress_boundary<K, D>(a, sm, q, q.first + j, q.start + j);
+  if (j < lim) compress_boundary<K, D, true>(a, sm, q, q.first + j, q.start + j);
   if constexpr (Geo<K>::kOverlap) {
-    if (j + RT < lim) compress_boundary<K, D>(a, sm, q, q.first + j + RT, q.start + j + RT);
+    if (j + RT < lim) compress_boundary<K, D, true>(a, sm, q, q.first + j + RT, q.start + j + RT);
   }
   if (a.update_state) {                        // every ring read of the sequence (above) before its writes
     block_sync();
     V4_NO_UNROLL
     for (int bt = 0; bt < RG::kBatches; ++bt) {
-      if (!(RG::kEarly && bt == 0)) ring_load<K, D>(a, q, bt, rb);
-      ring_store<K, D>(a, q, bt, rb);
+      if (!(RG::kEarly && bt == 0)) ring_load<K, D>(a, q, bt, vec, rb);
+      ring_store<K, D>(a, q, bt, vec, rb);
     }
   }
 }
@@ -725,7 +872,7 @@ V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
     Seq q;
     if (!range_seq(a, i0, q)) return;
     const int64_t j = range_boundary<K>(q, i0);
-    if (j >= 0) compress_boundary<K, D>(a, sm, q, q.first + j, q.start + j);
+    if (j >= 0) compress_boundary<K, D, false>(a, sm, q, q.first + j, q.start + j);
   }
 }
 

@@ -113,10 +113,8 @@ __device__ __forceinline__ float block_amax(unsigned mask, const float (&v)[kLan
 
 // SPEC §5 tail interleaved RoPE of the lane's b values: pairs (v[16+2i], v[17+2i]) = dims 64+16l+2i (+1), pair
 // j = 8l + i of the table.
-template <int CDT>
-__device__ __forceinline__ void rope_tail(const RopeArgs& tab, int64_t pos, int lane, float (&v)[kLaneVals]) {
-  float c[8], s[8];
-  rope_load<8, CDT>(tab, pos, 8 * lane, c, s);
+// The table values (c[i], s[i] of pair 8l + i) are loaded by the caller ahead of use (rope_load<8, CDT>).
+__device__ __forceinline__ void rope_tail(const float (&c)[8], const float (&s)[8], float (&v)[kLaneVals]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) rope_pair(v[16 + 2 * i], v[17 + 2 * i], c[i], s[i]);
 }
@@ -238,8 +236,13 @@ __device__ __forceinline__ void store_payload(uint8_t* pa, uint8_t* pb, const ui
 template <int IN_DT, int CDT, int MODE>
 __device__ __forceinline__ void kstore_row(const KStoreArgs& a, int64_t t, int lane) {
   const unsigned mask = group_mask<kRowLanes>();
+  // Every load that does not depend on another is issued first (the row and the norm weights exist whatever the
+  // slot says), so that a row waits for memory twice: for these, then for its RoPE table values.
   const int64_t slot = load_i(a.slots, t, a.slots_dt);
   const int64_t pos_in = load_i(a.positions, t, a.pos_dt);
+  float v[kLaneVals], wv[kLaneVals];
+  load_lane<IN_DT>(static_cast<const char*>(a.k) + t * a.k_st * (IN_DT == kF32 ? 4 : 2), lane, a.k_vec, v);
+  load_norm_weights(a.norm_w, a.norm_w_dt, lane, wv);
   if (lane == 0 && (pos_in < 0 || pos_in >= a.rope.max_pos)) atomicOr(a.err_flag, code(ErrFlag::position_out_of_range));   // SPEC §7.5
   if (slot < (kV41<MODE> ? 1 : 0)) return;            // §7.2: slot 0 reserved; negative slots skipped
   const int64_t capacity = MODE == code(KStoreMode::dense) ? a.num_blocks : a.num_blocks * a.P;
@@ -247,20 +250,15 @@ __device__ __forceinline__ void kstore_row(const KStoreArgs& a, int64_t t, int l
     if (lane == 0) atomicOr(a.err_flag, code(ErrFlag::slot_out_of_range));
     return;
   }
-  float v[kLaneVals];
-  load_lane<IN_DT>(static_cast<const char*>(a.k) + t * a.k_st * (IN_DT == kF32 ? 4 : 2), lane, a.k_vec, v);
+  float rc[8], rs[8];
+  rope_load<8, CDT>(a.rope, rope_position(pos_in, a.rope.max_pos, a.compress_ratio), 8 * lane, rc, rs);
   // RMSNorm (SPEC §5): inv = 1/sqrt(S(x*x)/128 + eps), y = fl(w * fl(x*inv)).
   float sq[kLaneVals];
 #pragma unroll
   for (int e = 0; e < kLaneVals; ++e) sq[e] = fmul(v[e], v[e]);
   const float inv = inv_sqrt_eps(div128(row_sum4(mask, sq)), a.eps);
-  {
-    float wv[kLaneVals];
-    load_norm_weights(a.norm_w, a.norm_w_dt, lane, wv);
 #pragma unroll
-    for (int e = 0; e < kLaneVals; ++e) v[e] = rms_norm_apply(v[e], inv, wv[e]);
-  }
-  const int64_t pos = rope_position(pos_in, a.rope.max_pos, a.compress_ratio);
+  for (int e = 0; e < kLaneVals; ++e) v[e] = rms_norm_apply(v[e], inv, wv[e]);
   const Rounding r = static_cast<Rounding>(a.rounding);
   uint32_t w[4];
   int ea, eb;   // the exponents stored for the lane's a block (l / 2) and b block (2 + l / 2)
@@ -273,14 +271,14 @@ __device__ __forceinline__ void kstore_row(const KStoreArgs& a, int64_t t, int l
         v[i] = lo_f32<kBF16>(h);
         v[i + 1] = hi_f32<kBF16>(h);
       }
-      rope_tail<CDT>(a.rope, pos, lane, v);
+      rope_tail(rc, rs, v);
       const uint32_t e2 = two_stage_split4(mask, v, r, w);
       ea = static_cast<int>(e2 & 0xFFu);
       eb = static_cast<int>((e2 >> 16) & 0xFFu);
     } else {
 #pragma unroll
       for (int i = 0; i < kLaneVals; ++i) v[i] = round_to<IN_DT>(v[i]);
-      rope_tail<CDT>(a.rope, pos, lane, v);
+      rope_tail(rc, rs, v);
 #pragma unroll
       for (int i = 16; i < kLaneVals; ++i) v[i] = round_to<IN_DT>(v[i]);
       const uint32_t e2 = two_stage_scalar(mask, v, r, w);
@@ -289,7 +287,7 @@ __device__ __forceinline__ void kstore_row(const KStoreArgs& a, int64_t t, int l
     }
   } else {
     // §7.3: fp32 throughout (no rounding after the norm or the RoPE), optional Hadamard, FP4 with rule recip.
-    rope_tail<CDT>(a.rope, pos, lane, v);
+    rope_tail(rc, rs, v);
     if (a.hadamard) hadamard_split4(mask, lane, v);
     ea = ue8m0_exponent(block_amax(mask, v, 0), ScaleRule::recip);
     eb = ue8m0_exponent(block_amax(mask, v, 16), ScaleRule::recip);

@@ -3,10 +3,9 @@
 // for AMD) and under the host emulator of the tests (tests/cpp/compress_host.cpp), which holds it to the reference.
 //
 // The includer defines, in namespace dsqv4, before including this file (besides compress_body.cuh's list: V4_FN,
-// V4_UNROLL, thread_id, block_id, block_sync, shfl_xor, atomic_or):
-//   void ld16(const void* p, uint32_t (&w)[4])         the 16 bytes at p (16-byte aligned), little endian words
-//   void st16(void* p, const uint32_t (&w)[4]), st8(void* p, uint32_t w0, uint32_t w1), st4(void* p, uint32_t w)
-//                                                      stores of 16 / 8 / 4 bytes at p (aligned to their size)
+// V4_UNROLL, thread_id, block_id, block_sync, shfl_xor, atomic_or, ld16, st16):
+//   void st8(void* p, uint32_t w0, uint32_t w1), st4(void* p, uint32_t w)
+//                                                      stores of 8 / 4 bytes at p (aligned to their size)
 // Blocks have kThreads = 128 threads here (not compress_kv's 256). All format math is the shared header's.
 //
 // Layout. A row (t, h) of D values is held by a group of L = D/V consecutive lanes, V values a lane (V = 16 or 32

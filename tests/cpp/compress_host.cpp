@@ -36,6 +36,7 @@ inline int shfl_xor_i(int v, int s) { return emu::shuffle_xor(v, s); }
 inline void atomic_or(int* p, int v) { *p |= v; }
 inline void prefetch_l1(const void*) {}
 inline void ld16(const void* p, uint32_t (&w)[4]) { std::memcpy(w, p, 16); }
+inline void ld8(const void* p, uint32_t (&w)[2]) { std::memcpy(w, p, 8); }
 inline void st16(void* p, const uint32_t (&w)[4]) { std::memcpy(p, w, 16); }
 inline void st8(void* p, uint32_t w0, uint32_t w1) {
   const uint32_t w[2] = {w0, w1};
