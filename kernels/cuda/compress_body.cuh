@@ -557,7 +557,7 @@ V4_FN void compress_boundary(const CompressArgs& a, CompressSmem& sm, const Seq&
   FinishIn<D> f;
   if (tid < 32) f = finish_in<K, D>(a, p, tid);
   pool_row<K, D, RING>(a, sm, q, i, p);
-  block_sync();
+  block_sync();                                // every window read of the boundary done, sm.y complete
   if (slot >= 0 && tid < 32) {
     constexpr int V = D / 32;
     float x[V];
@@ -565,7 +565,7 @@ V4_FN void compress_boundary(const CompressArgs& a, CompressSmem& sm, const Seq&
     for (int e = 0; e < V; ++e) x[e] = sm.y[V * tid + e];
     finish_values<K, D>(a, x, f, slot, tid);
   }
-  block_sync();                                // sm.y is free again
+  // No barrier here: warp 0 is still reading sm.y; a caller that pools again into it passes a barrier first.
 }
 
 // 4 consecutive elements of type DT (fp32 / bf16) from p as fp32 (exact): one 16-byte (fp32) or 8-byte (bf16) load
@@ -625,20 +625,35 @@ V4_FN void pool_warp_dt(const CompressArgs& a, const Win& w, int lane, float (&y
   float sig[K][4], kv[K][4];
   window4<K, DT, VEC, RING>(a, w, 4 * lane, sig, kv);
   V4_UNROLL
+  for (int j = 0; j < 4; ++j) y[j] = 0.0f;
+  // One column a trip, in a loop that is not unrolled (a quarter of the code; see "short code" in docs): each trip
+  // pools column 0 of the arrays, then shifts every array down by one column (register moves), so that after the
+  // four trips y holds the four columns in order.
+  V4_NO_UNROLL
   for (int e = 0; e < 4; ++e) {
     float v[K];
     PoolMax st = pool_max_init();
     V4_UNROLL
     for (int k = 0; k < K; ++k) {
-      if (w.s0 + k >= 0) pool_max_add(st, sig[k][e]);
+      if (w.s0 + k >= 0) pool_max_add(st, sig[k][0]);
     }
     V4_UNROLL
-    for (int k = 0; k < K; ++k) v[k] = w.s0 + k >= 0 ? pool_exp(sig[k][e], st.m) : 0.0f;
+    for (int k = 0; k < K; ++k) v[k] = w.s0 + k >= 0 ? pool_exp(sig[k][0], st.m) : 0.0f;
     const float S = canonical_sum<K>(v);
     const float yv = canonical_sum_map<K>([&](int k) {
-      return w.s0 + k >= 0 ? fmul(pool_weight(v[k], S), kv[k][e]) : 0.0f;
+      return w.s0 + k >= 0 ? fmul(pool_weight(v[k], S), kv[k][0]) : 0.0f;
     });
-    y[e] = pool_finish(yv, st);
+    V4_UNROLL
+    for (int k = 0; k < K; ++k) {
+      V4_UNROLL
+      for (int j = 0; j < 3; ++j) {
+        sig[k][j] = sig[k][j + 1];
+        kv[k][j] = kv[k][j + 1];
+      }
+    }
+    V4_UNROLL
+    for (int j = 0; j < 3; ++j) y[j] = y[j + 1];
+    y[3] = pool_finish(yv, st);
   }
 }
 template <int K, bool RING = true>
@@ -729,7 +744,7 @@ V4_FN void store8_f(float* p, const float (&x)[8]) {
 template <int K, int D>
 V4_FN void ring_unit(int batch, int u, int& row, int& c) {
   using RG = Ring<K, D>;
-  const int unit = (batch * RG::kU + u) * kThreads + thread_id();
+  const int unit = (batch * RG::kU + u) * kThreads + (kThreads - 1 - thread_id());   // the last warp first
   row = unit / (RG::kC / 8);
   c = 8 * (unit % (RG::kC / 8));
 }
@@ -837,10 +852,14 @@ V4_FN void sequence_block(const CompressArgs& a, CompressSmem& sm, int64_t b) {
   const int64_t j = first_boundary<K>(q, 0);
   if (j < lim) compress_boundary<K, D, true>(a, sm, q, q.first + j, q.start + j);
   if constexpr (Geo<K>::kOverlap) {
-    if (j + RT < lim) compress_boundary<K, D, true>(a, sm, q, q.first + j + RT, q.start + j + RT);
+    if (j + RT < lim) {
+      block_sync();                            // warp 0 done with sm.y
+      compress_boundary<K, D, true>(a, sm, q, q.first + j + RT, q.start + j + RT);
+    }
   }
-  if (a.update_state) {                        // every ring read of the sequence (above) before its writes
-    block_sync();
+  // Every ring read of the sequence (the pools above) came before the barrier that ends its boundary's pool, so the
+  // ring rows may be written now, while warp 0 finishes the last boundary (ring_unit gives warp 0 its units last).
+  if (a.update_state) {
     V4_NO_UNROLL
     for (int bt = 0; bt < RG::kBatches; ++bt) {
       if (!(RG::kEarly && bt == 0)) ring_load<K, D>(a, q, bt, vec, rb);
