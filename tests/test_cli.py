@@ -38,7 +38,7 @@ def test_info():
              if re.match(r"\s+\S.*: \w+ > \w+ > \w+$", ln)}
     if "automatic order on nvidia" in r.stdout:
         assert "index_k_norm_rope_pack_store" not in order                  # the default: cuda first
-        assert order["compress_kv [ratio=128, 32768 <= T]"] == "triton > cuda > reference"
+        assert order["rope_rotate_quant [fp4, 1024 <= T]"] == "triton > cuda > reference"
         assert order["every other op, variant and size"] == "cuda > triton > reference"
     else:
         assert order == {"every other op, variant and size": "hip > triton > reference"}

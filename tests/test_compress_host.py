@@ -73,8 +73,9 @@ class Emulator:
         self.lib.cdll.dsq_emu_set_block_order(order, seed)
 
     def set_compress_mode(self, force: int):
-        """compress_kv's range mode: 0 the launcher's choice by call size, 1 one range a block, 2 one range a warp
-        (K <= 8 and D = 128 only; other calls keep one range a block)."""
+        """compress_kv's range mode: 0 the launcher's choice by call size (windows of K >= 128 rows in clusters of
+        blocks, as on sm_90), 1 one range a block (and one block a window), 2 one range a warp (K <= 8 and D = 128
+        only; other calls keep one range a block)."""
         self.lib.cdll.dsq_emu_set_compress_mode(force)
 
     def set_rotate_v(self, v: int):
@@ -226,6 +227,17 @@ def test_compress_kv(ops, emu, name, order):
     assert flag_e == flag_r, (flag_e, flag_r)
     if name == "r4_bad_input":
         assert flag_r == errors.SLOT_OUT_OF_RANGE | errors.POSITION_OUT_OF_RANGE
+
+
+# The windows of K >= 128 rows: by default (the launcher's choice on sm_90) pooled by clusters of blocks that split the
+# columns; forced here to one block a window, the mode of devices without clusters.
+WINDOW_CASES = [n for n, c in COMPRESS.items() if c.get("ratio", 4) == 128]
+
+
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_compress_kv_one_block_a_window(ops, emu, name):
+    """The same bytes with each window of K >= 128 rows pooled by one block (no cluster)."""
+    _compare_in_mode(ops, emu, COMPRESS[name], 0, 1, name)
 
 
 # The cases that the range mode `warp` (one range a warp) can run: K <= 8 and D = 128.

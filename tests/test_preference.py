@@ -35,15 +35,10 @@ def test_variants_on_nvidia():
     assert v("rope_rotate_quant", out_format="fp4") == "fp4"
     assert v("paged_mqa_logits", ratio=4) is None and v("compress_kv") is None
     assert v("indexer_qk_rope_quant_and_cache", out_format="fp8") == "fp8"
-    assert preference.order("nvidia", "compress_kv", 32768, v("compress_kv", ratio=128)) == TRITON_FIRST
-    assert preference.order("nvidia", "compress_kv", 8192, v("compress_kv", ratio=128)) == NV
-    assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=128, decode=True)) == NV
-    assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=4)) == NV
-    assert preference.order("nvidia", "compress_kv", 64, v("compress_kv", ratio=4)) == NV
-    assert preference.order("nvidia", "compress_kv", 8192, v("compress_kv", ratio=4)) == NV
-    assert preference.order("nvidia", "compress_kv", 32768, v("compress_kv", ratio=4)) == TRITON_FIRST
-    assert preference.order("nvidia", "compress_kv", 16384, v("compress_kv", ratio=4)) == NV
-    assert preference.order("nvidia", "compress_kv", 64, v("compress_kv", ratio=4, decode=True)) == NV
+    for ratio in (4, 128):      # measured faster on cuda at every T, decode steps included
+        for T in (1, 64, 1024, 8192, 32768):
+            assert preference.order("nvidia", "compress_kv", T, v("compress_kv", ratio=ratio)) == NV
+        assert preference.order("nvidia", "compress_kv", 1, v("compress_kv", ratio=ratio, decode=True)) == NV
     assert preference.order("nvidia", "compress_kv", 8192) == NV                 # no variant: the default
     assert preference.order("nvidia", "rope_rotate_quant", 8192, "fp4") == TRITON_FIRST
     assert preference.order("nvidia", "rope_rotate_quant", 64, "fp4") == NV
@@ -99,8 +94,7 @@ def test_every_rule_names_known_backends_and_measurements():
 
 def test_describe_lists_every_rule_and_the_default():
     lines = preference.describe("nvidia")
-    assert "compress_kv [ratio=128, 32768 <= T]: triton > cuda > reference" in lines
-    assert "compress_kv [ratio=4, 32768 <= T]: triton > cuda > reference" in lines
+    assert not any(line.startswith("compress_kv") for line in lines)
     assert "rope_rotate_quant [fp4, 1024 <= T]: triton > cuda > reference" in lines
     assert "indexer_qk_rope_quant_and_cache [fp8, 1024 <= T < 2048]: triton > cuda > reference" in lines
     assert lines[-1].endswith("cuda > triton > reference")
@@ -134,7 +128,7 @@ def test_choose_follows_the_table_on_nvidia(monkeypatch):
     assert dispatch.choose("indexer_qk_rope_quant_and_cache", GPU, size=1024) == "cuda"
     assert dispatch.choose("paged_mqa_logits", GPU, size=64) == "cuda"
     assert dispatch.choose("topk_indices", GPU, size=64) == "cuda"
-    assert dispatch.choose("compress_kv", GPU, size=32768, variant="ratio=128") == "triton"
+    assert dispatch.choose("compress_kv", GPU, size=32768, variant="ratio=128") == "cuda"
     assert dispatch.choose("compress_kv", GPU, size=8192, variant="ratio=128") == "cuda"
     assert dispatch.choose("compress_kv", GPU, size=8192, variant="ratio=4") == "cuda"
     assert dispatch.choose("rope_rotate_quant", GPU, size=8192, variant="fp4") == "triton"
@@ -161,7 +155,7 @@ def test_forced_backends_ignore_the_table(monkeypatch):
     assert dispatch.choose("index_q_rope_pack_weights", GPU, "cuda", size=8192) == "cuda"
     assert dispatch.choose("paged_mqa_logits", GPU, "triton", size=64) == "triton"
     monkeypatch.setenv("DSAQUANT_BACKEND", "cuda")
-    assert dispatch.choose("compress_kv", GPU, size=8192, variant="ratio=128") == "cuda"
+    assert dispatch.choose("rope_rotate_quant", GPU, size=8192, variant="fp4") == "cuda"   # the table says triton
     assert dispatch.choose("compress_kv", GPU, "triton", size=8192) == "triton"      # the argument wins
 
 

@@ -4,16 +4,20 @@
 // hint, 16/8-byte loads, 16/8/4-byte stores), the kernels and the launchers.
 //
 // compress_kv: one launch, 256 threads a block, grid = B sequence blocks + the token-range blocks (compress_args.h
-//   compress_grid: one range of `ratio` tokens a block, or 8 a block, one a warp, for calls of many ranges);
-//   template <K, D, MODE> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}, MODE kRangeBlock, or
-//   kRangeWarp for K <= 8 and D = 128); the ring ordering argument is in compress_body.cuh. Static shared memory:
-//   CompressSmem (2 KB).
+//   compress_grid: one range of `ratio` tokens a block, or 8 a block, one a warp, for calls of many ranges; for
+//   K >= 128 on sm_90 and later, a cluster of 4 blocks for each sequence and each range, splitting the columns);
+//   template <K, D, MODE> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}, MODE kRangeBlock,
+//   kRangeWarp for K <= 8 and D = 128, or kSplit); the ring ordering argument is in compress_body.cuh. Static
+//   shared memory: CompressSmem (2 KB).
 // rope_rotate_quant: one launch, 128 threads a block, D/V lanes a (t, h) row (rotate_body.cuh); template <D, V, MODE>:
 //   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 64
 //   (DSQ_ROTATE_V_LARGE_128 for D = 128, _WIDE for wider rows), one instance per output mode. Static shared
 //   memory: RotateSmem (the block's RoPE table, 2 KB).
 // Built with --fmad=false and without fast math (tools/build_native.py; SPEC §0.1).
+#include <climits>
+
 #include "compress.h"
+#include "cluster.cuh"
 
 namespace dsqv4 {
 
@@ -49,6 +53,13 @@ __device__ __forceinline__ void st16(void* p, const uint32_t (&w)[4]) {
 }
 __device__ __forceinline__ void st8(void* p, uint32_t w0, uint32_t w1) { *static_cast<uint2*>(p) = make_uint2(w0, w1); }
 __device__ __forceinline__ void st4(void* p, uint32_t w) { *static_cast<uint32_t*>(p) = w; }
+#if !defined(__HIP__)
+// The cluster layer of the column-split windows (cluster.cuh; their kernels run sm_90 code only).
+#define DSQ_V4_CLUSTERS 1
+using dsqcl::cluster_peer;
+using dsqcl::cluster_rank;
+using dsqcl::cluster_sync;
+#endif
 
 }  // namespace dsqv4
 
@@ -60,10 +71,18 @@ namespace dsqv4 {
 // The second bound (CUDA: min resident blocks per SM; HIP: min waves per EU) is given so that ptxas does not pick an
 // occupancy-driven register target of its own, which spilled a few registers of some instantiations (sm_90a/100a).
 // Large windows keep ~200 registers (the pool holds K/32 rows of sig per thread and hoists their loads).
+// The column-split instances (MODE kSplit) exist in sm_90 code and later only: launch_split checks that the device
+// runs such code (cluster.cuh runs_sm90_code) before it launches them in clusters.
 template <int K, int D, int MODE>
 __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(CompressArgs a) {
   __shared__ CompressSmem sm;
-  compress_block<K, D, MODE>(a, sm);
+  if constexpr (MODE == kSplit) {
+#if defined(DSQ_V4_CLUSTERS) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    compress_block<K, D, MODE>(a, sm);
+#endif
+  } else {
+    compress_block<K, D, MODE>(a, sm);
+  }
 }
 
 // At most 168 registers (3 blocks of 128 threads an SM): a large call's thread holds a row of 128 fp32 values.
@@ -103,8 +122,40 @@ int launch_rotate_d(const RotateArgs& a, cudaStream_t stream) {
 #endif
 }
 
+#if defined(DSQ_V4_CLUSTERS)
+// Windows of K >= 128 rows in clusters of kCompressSplitBlocks blocks (compress_body.cuh kSplit). Returns -1 where the
+// device cannot run them (no sm_90 code, or the launch refused): the caller then takes one block a window.
+template <int K, int D>
+int launch_split(const CompressArgs& a, cudaStream_t stream) {
+  const auto kernel = compress_kv_kernel<K, D, kSplit>;
+  if (!dsqcl::runs_sm90_code<struct CompressSplit>(reinterpret_cast<const void*>(kernel))) return -1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(compress_grid(a, false, true)));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCompressSplitBlocks;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return 0;
+  static_cast<void>(cudaGetLastError());
+  return -1;
+}
+#endif
+
 template <int K>
 int launch_compress_k(const CompressArgs& a, cudaStream_t stream) {
+#if defined(DSQ_V4_CLUSTERS)
+  if constexpr (K >= 128) {
+    if (compress_split_windows(a) && compress_grid(a, false, true) <= INT32_MAX) {
+      const int rc = a.D == 128 ? launch_split<K, 128>(a, stream) : launch_split<K, 512>(a, stream);
+      if (rc == 0) return 0;
+    }
+  }
+#endif
   const bool warps = compress_warp_ranges(a);
   const unsigned grid = static_cast<unsigned>(compress_grid(a, warps));
   if constexpr (K <= 8) {

@@ -29,8 +29,13 @@ inline bool compress_warp_ranges(const CompressArgs& a, int force = 0) {
   if (a.K > 8 || a.D != 128) return false;
   return force ? force == 2 : compress_ranges(a) >= kCompressWarpRangesFrom;
 }
-inline int64_t compress_grid(const CompressArgs& a, bool warp_ranges) {
+// Windows of K >= 128 rows (ratio 128) are pooled by a cluster of kCompressSplitBlocks blocks where the device has
+// clusters (NVIDIA sm_90 on; compress_body.cuh kSplit): every sequence and every range gets a cluster.
+constexpr int kCompressSplitBlocks = 4;
+inline bool compress_split_windows(const CompressArgs& a) { return a.K >= 128; }
+inline int64_t compress_grid(const CompressArgs& a, bool warp_ranges, bool split = false) {
   const int64_t n = compress_ranges(a);
+  if (split) return kCompressSplitBlocks * (a.B + n);
   return a.B + (warp_ranges ? (n + kCompressRangesPerWarpBlock - 1) / kCompressRangesPerWarpBlock : n);
 }
 // The rope_rotate_quant launch's shape: rotate_body.cuh (rot::rotate_values_per_lane, rot::rotate_run, rot::rotate_grid).

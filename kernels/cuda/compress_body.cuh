@@ -210,6 +210,17 @@ V4_FN void fp4_encode_lane(const float (&x)[V], const int (&ex)[Chunks<V>::kMax]
 // operations between threads), so the bytes do not depend on the range mode nor on the order of blocks.
 // =========================================================================================================
 
+// Window slices of a warp for K = 128 and 256 (build options): a thread holds K / (4 * slices) canonical partials of
+// 4 rows. Measured on an H100, ratio 128, T = 8192 (column split): 8 slices (16 rows a thread, about 200
+// registers, one block an SM) 35.9 µs, 16 slices (8 rows, about 125 registers, two blocks an SM, kv loaded with
+// sig) 27.2 µs, 32 slices (4 rows, every butterfly level across lanes) 34.9 µs.
+#ifndef DSQ_COMPRESS_SLICES_128
+#define DSQ_COMPRESS_SLICES_128 16
+#endif
+#ifndef DSQ_COMPRESS_SLICES_256
+#define DSQ_COMPRESS_SLICES_256 32
+#endif
+
 // Compile-time geometry by window size K (ratio in {4, 128}, so K determines ratio and overlap).
 template <int K>
 struct Geo {
@@ -219,7 +230,10 @@ struct Geo {
   // Pool: a warp covers kCL consecutive columns x kPL window slices. Lane = pl * kCL + cl holds column cl
   // and partials i = pl + kPL * q, q < kQ (window rows 4i .. 4i+3): loads of one row are kCL consecutive
   // floats, and the butterfly's strides >= kPL stay in the thread, the smaller ones cross lanes (xor s*kCL).
-  static constexpr int kPL = K == 256 ? 16 : (K == 128 ? 8 : (K == 8 ? 2 : 1));
+  static constexpr int kPL = K == 256 ? DSQ_COMPRESS_SLICES_256 : (K == 128 ? DSQ_COMPRESS_SLICES_128 : (K == 8 ? 2 : 1));
+  static_assert(kPL >= 1 && kPL <= 32 && (kPL & (kPL - 1)) == 0 && kPL <= K / 4, "slices: a power of two <= 32");
+  // Few rows a thread also leave the registers to load every row's kv with its sig (one wait for memory a pass).
+  static constexpr bool kKvEarly = kM / kPL <= 2;
   static constexpr int kCL = 32 / kPL;
   static constexpr int kQ = kM / kPL;
   static constexpr int kCols = kWarps * kCL;                      // columns per block pass
@@ -354,21 +368,26 @@ V4_FN void prefetch_window(const CompressArgs& a, const Win& w) {
 }
 
 // SPEC §7.6 step 2 for every column of one boundary: sm.y[c] = the pooled value. All threads call it.
+// Columns [c_lo, c_hi) only (a multiple of kCL each; the whole row by default, a cluster block's share in the
+// column-split mode).
 template <int K, int D, int DT, bool RING>
-V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
+V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p, int c_lo,
+                       int c_hi) {
   using G = Geo<K>;
   constexpr int kR = G::kQ * 4;                // window rows per thread
   const int tid = thread_id(), warp = tid >> 5, lane = tid & 31;
   const int cl = lane % G::kCL, pl = lane / G::kCL;
   const Win w = window_of<K>(a, q, i, p);
   const int64_t s0 = w.s0;                     // position of window row 0
-  if constexpr (D > G::kCols) prefetch_window<K, D>(a, w);
+  if constexpr (D > G::kCols) {
+    if (c_hi - c_lo > G::kCols) prefetch_window<K, D>(a, w);
+  }
   V4_NO_UNROLL   // one pass of kCols columns at a time (unrolling the passes only raises the register count)
-  for (int c0 = 0; c0 < D; c0 += G::kCols) {
-    if (c0 + warp * G::kCL >= D) break;        // the whole warp is past the row (D % kCL == 0)
+  for (int c0 = c_lo; c0 < c_hi; c0 += G::kCols) {
+    if (c0 + warp * G::kCL >= c_hi) break;     // the whole warp is past the columns (a multiple of kCL)
     const int c = c0 + warp * G::kCL + cl;
-    // Pass 1: sig of the thread's rows; the window max and NaN conditions.
-    float v[kR];
+    // Pass 1: sig of the thread's rows (and their kv, kKvEarly); the window max and NaN conditions.
+    float v[kR], kvv[G::kKvEarly ? kR : 1];
     PoolMax st = pool_max_init();
     V4_UNROLL
     for (int qq = 0; qq < G::kQ; ++qq) {
@@ -377,8 +396,10 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
         const int k = 4 * (pl + G::kPL * qq) + r;
         const int64_t s = s0 + k;
         v[4 * qq + r] = 0.0f;
+        if constexpr (G::kKvEarly) kvv[4 * qq + r] = 0.0f;
         if (s >= 0) {
           v[4 * qq + r] = window_sig<K, D, DT, RING>(a, w, k, c);
+          if constexpr (G::kKvEarly) kvv[4 * qq + r] = window_kv<K, D, DT, RING>(a, w, k, c);
           pool_max_add(st, v[4 * qq + r]);
         }
       }
@@ -418,7 +439,8 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
       V4_UNROLL
       for (int r = 0; r < 4; ++r) {
         const int k = 4 * (pl + G::kPL * qq) + r;
-        t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], window_kv<K, D, DT, RING>(a, w, k, c)) : 0.0f;
+        if constexpr (G::kKvEarly) t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], kvv[4 * qq + r]) : 0.0f;
+        else t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], window_kv<K, D, DT, RING>(a, w, k, c)) : 0.0f;
       }
       part[qq] = canonical_partial(t[0], t[1], t[2], t[3]);
     }
@@ -434,9 +456,10 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
   }
 }
 template <int K, int D, bool RING = true>
-V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p) {
-  if (a.in_dt == kF32) pool_row_dt<K, D, kF32, RING>(a, sm, q, i, p);
-  else pool_row_dt<K, D, kBF16, RING>(a, sm, q, i, p);
+V4_FN void pool_row(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p, int c_lo = 0,
+                    int c_hi = D) {
+  if (a.in_dt == kF32) pool_row_dt<K, D, kF32, RING>(a, sm, q, i, p, c_lo, c_hi);
+  else pool_row_dt<K, D, kBF16, RING>(a, sm, q, i, p, c_lo, c_hi);
 }
 
 // What warp 0 (or a range warp) needs besides the pooled row, loaded before the pool so that its loads overlap
@@ -688,16 +711,18 @@ V4_FN bool is_boundary(int64_t p) { return p >= 0 && ((p + 1) & (Geo<K>::kRatio 
 // once per unit), the batches in a loop that is not unrolled: a short kernel runs its code once, from a cold
 // instruction cache, so the code it runs is kept short. Inputs or ring rows that are not 16-byte aligned take
 // the same loop with scalar loads and stores.
-template <int K, int D>
+// S: the blocks that share the update (the cluster of the column-split mode; else 1), block r taking the units
+// r*kThreads + t + kThreads*S*u.
+template <int K, int D, int S = 1>
 struct Ring {
   static constexpr int kC = (Geo<K>::kOverlap ? 2 : 1) * D;
   static constexpr int kUnits = K * kC / 8;                               // units of the K rows
-  static constexpr int kPerThread = (kUnits + kThreads - 1) / kThreads;
+  static constexpr int kPerThread = (kUnits + kThreads * S - 1) / (kThreads * S);
   static constexpr int kU = kPerThread < 4 ? kPerThread : 4;              // (kUnits / kThreads a multiple of 4)
   static constexpr int kBatches = kPerThread / kU;
   // The first batch is loaded before the sequence block's boundaries (it only reads inputs) and stored after them,
-  // so that a decode step waits for memory once: where the whole ring is one batch of a few registers.
-  static constexpr bool kEarly = kBatches == 1 && kU <= 2;
+  // so that a decode step waits for memory once: ratio 4, where the whole ring is one batch of a few registers.
+  static constexpr bool kEarly = K <= 8 && kBatches == 1 && kU <= 2;
 };
 template <int U>
 struct RingBatch {
@@ -740,24 +765,25 @@ V4_FN void store8_f(float* p, const float (&x)[8]) {
     }
   }
 }
-// Unit u of the thread's batch `batch`: its row (0 .. n-1 of the sequence's last n <= K tokens) and first column.
-template <int K, int D>
-V4_FN void ring_unit(int batch, int u, int& row, int& c) {
-  using RG = Ring<K, D>;
-  const int unit = (batch * RG::kU + u) * kThreads + (kThreads - 1 - thread_id());   // the last warp first
+// Unit u of the thread's batch `batch` in block `rank` of S: its row (0 .. n-1 of the sequence's last n <= K tokens)
+// and first column.
+template <int K, int D, int S>
+V4_FN void ring_unit(int batch, int u, int rank, int& row, int& c) {
+  using RG = Ring<K, D, S>;
+  const int unit = ((batch * RG::kU + u) * S + rank) * kThreads + (kThreads - 1 - thread_id());   // the last warp first
   row = unit / (RG::kC / 8);
   c = 8 * (unit % (RG::kC / 8));
 }
-template <int K, int D, int DT, bool VEC>
-V4_FN void ring_load_dt(const CompressArgs& a, const Seq& q, int batch, RingBatch<Ring<K, D>::kU>& rb) {
-  using RG = Ring<K, D>;
+template <int K, int D, int S, int DT, bool VEC>
+V4_FN void ring_load_dt(const CompressArgs& a, const Seq& q, int batch, int rank, RingBatch<Ring<K, D, S>::kU>& rb) {
+  using RG = Ring<K, D, S>;
   constexpr int esz = DT == kF32 ? 4 : 2;
   const int64_t j0 = q.len > K ? q.len - K : 0;
   const int64_t n = q.len - j0;
   V4_UNROLL
   for (int u = 0; u < RG::kU; ++u) {
     int row, c;
-    ring_unit<K, D>(batch, u, row, c);
+    ring_unit<K, D, S>(batch, u, rank, row, c);
     const int64_t pos = q.start + j0 + row, i = q.first + j0 + row;
     if (row < n && pos >= 0) {
       float ap[8];
@@ -769,26 +795,28 @@ V4_FN void ring_load_dt(const CompressArgs& a, const Seq& q, int batch, RingBatc
     }
   }
 }
-template <int K, int D>
-V4_FN void ring_load(const CompressArgs& a, const Seq& q, int batch, bool vec, RingBatch<Ring<K, D>::kU>& rb) {
+template <int K, int D, int S>
+V4_FN void ring_load(const CompressArgs& a, const Seq& q, int batch, int rank, bool vec,
+                     RingBatch<Ring<K, D, S>::kU>& rb) {
   if (vec) {
-    if (a.in_dt == kF32) ring_load_dt<K, D, kF32, true>(a, q, batch, rb);
-    else ring_load_dt<K, D, kBF16, true>(a, q, batch, rb);
+    if (a.in_dt == kF32) ring_load_dt<K, D, S, kF32, true>(a, q, batch, rank, rb);
+    else ring_load_dt<K, D, S, kBF16, true>(a, q, batch, rank, rb);
   } else {
-    if (a.in_dt == kF32) ring_load_dt<K, D, kF32, false>(a, q, batch, rb);
-    else ring_load_dt<K, D, kBF16, false>(a, q, batch, rb);
+    if (a.in_dt == kF32) ring_load_dt<K, D, S, kF32, false>(a, q, batch, rank, rb);
+    else ring_load_dt<K, D, S, kBF16, false>(a, q, batch, rank, rb);
   }
 }
-template <int K, int D, bool VEC>
-V4_FN void ring_store_v(const CompressArgs& a, const Seq& q, int batch, const RingBatch<Ring<K, D>::kU>& rb) {
-  using RG = Ring<K, D>;
+template <int K, int D, int S, bool VEC>
+V4_FN void ring_store_v(const CompressArgs& a, const Seq& q, int batch, int rank,
+                        const RingBatch<Ring<K, D, S>::kU>& rb) {
+  using RG = Ring<K, D, S>;
   const int64_t j0 = q.len > K ? q.len - K : 0;
   const int64_t n = q.len - j0;
   const int64_t ring0 = mod_floor(q.start + j0, a.R);   // then rows advance by one, wrapping at most once (n <= R)
   V4_UNROLL
   for (int u = 0; u < RG::kU; ++u) {
     int row, c;
-    ring_unit<K, D>(batch, u, row, c);
+    ring_unit<K, D, S>(batch, u, rank, row, c);
     if (row < n && q.start + j0 + row >= 0) {
       const int64_t r = ring0 + row >= a.R ? ring0 + row - a.R : ring0 + row;
       store8_f<VEC>(a.state_kv + q.slot * a.skv_s0 + r * a.skv_s1 + c, rb.kv[u]);
@@ -796,10 +824,21 @@ V4_FN void ring_store_v(const CompressArgs& a, const Seq& q, int batch, const Ri
     }
   }
 }
-template <int K, int D>
-V4_FN void ring_store(const CompressArgs& a, const Seq& q, int batch, bool vec, const RingBatch<Ring<K, D>::kU>& rb) {
-  if (vec) ring_store_v<K, D, true>(a, q, batch, rb);
-  else ring_store_v<K, D, false>(a, q, batch, rb);
+template <int K, int D, int S>
+V4_FN void ring_store(const CompressArgs& a, const Seq& q, int batch, int rank, bool vec,
+                      const RingBatch<Ring<K, D, S>::kU>& rb) {
+  if (vec) ring_store_v<K, D, S, true>(a, q, batch, rank, rb);
+  else ring_store_v<K, D, S, false>(a, q, batch, rank, rb);
+}
+// Every ring row of sequence q (update_state), block `rank` of S's share; `rb` holds batch 0 when kEarly.
+template <int K, int D, int S>
+V4_FN void ring_update(const CompressArgs& a, const Seq& q, int rank, bool vec, RingBatch<Ring<K, D, S>::kU>& rb) {
+  using RG = Ring<K, D, S>;
+  V4_NO_UNROLL
+  for (int bt = 0; bt < RG::kBatches; ++bt) {
+    if (!(RG::kEarly && bt == 0)) ring_load<K, D, S>(a, q, bt, rank, vec, rb);
+    ring_store<K, D, S>(a, q, bt, rank, vec, rb);
+  }
 }
 
 // First local index j >= j_lo of sequence q that is a boundary (p = start + j >= 0, (p + 1) mod ratio == 0).
@@ -847,7 +886,7 @@ V4_FN void sequence_block(const CompressArgs& a, CompressSmem& sm, int64_t b) {
   }
   RingBatch<RG::kU> rb;
   const bool vec = window_vec(a);
-  if (RG::kEarly && a.update_state) ring_load<K, D>(a, q, 0, vec, rb);
+  if (RG::kEarly && a.update_state) ring_load<K, D, 1>(a, q, 0, 0, vec, rb);
   const int64_t lim = q.len < K - 1 ? q.len : K - 1;
   const int64_t j = first_boundary<K>(q, 0);
   if (j < lim) compress_boundary<K, D, true>(a, sm, q, q.first + j, q.start + j);
@@ -859,24 +898,104 @@ V4_FN void sequence_block(const CompressArgs& a, CompressSmem& sm, int64_t b) {
   }
   // Every ring read of the sequence (the pools above) came before the barrier that ends its boundary's pool, so the
   // ring rows may be written now, while warp 0 finishes the last boundary (ring_unit gives warp 0 its units last).
-  if (a.update_state) {
-    V4_NO_UNROLL
-    for (int bt = 0; bt < RG::kBatches; ++bt) {
-      if (!(RG::kEarly && bt == 0)) ring_load<K, D>(a, q, bt, vec, rb);
-      ring_store<K, D>(a, q, bt, vec, rb);
-    }
+  if (a.update_state) ring_update<K, D, 1>(a, q, 0, vec, rb);
+}
+
+// Range modes (compress_args.h compress_warp_ranges, compress_split): kRangeBlock, one range a block; kRangeWarp,
+// kWarps ranges a block, one a warp (K <= 8, D = 128); kSplit, each sequence and each range a cluster of
+// kSplitBlocks blocks (K >= 128, D = 128, NVIDIA sm_90 on), block r pooling the columns [r D/S, (r+1) D/S).
+constexpr int kRangeBlock = 0;
+constexpr int kRangeWarp = 1;
+constexpr int kSplit = 2;
+constexpr int kSplitBlocks = kCompressSplitBlocks;
+
+#if defined(DSQ_V4_CLUSTERS)
+// The column-split mode. The includer defines, besides the list above: void cluster_sync() (the barrier of every
+// thread of the cluster, ordering shared-memory accesses across its blocks), T* cluster_peer(T* p, int r) (the
+// address in block r's shared memory of the object at p in the caller's), int cluster_rank(); thread_id() is the
+// thread's index in its own block.
+//
+// A window of K >= 128 rows is an exp and a division per value, 16K of each for K = 128: one block a window leaves
+// most SMs idle when a call has fewer windows than SMs, and the window's latency is that of one SM. Here the
+// cluster's blocks pool a quarter of the columns each into their own sm.y; after a cluster barrier (every window
+// read of the cluster done) block 0's warp 0 reads the row across the cluster and finishes it, and every block
+// writes its share of the ring rows (sequence clusters). A last cluster barrier keeps each block's shared memory
+// alive until block 0 has read it, and before a second boundary pools into it. The bytes are those of the other
+// modes (the same operations, in the same order, column by column).
+template <int K, int D, bool RING>
+V4_FN void compress_boundary_split(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p,
+                                   int rank) {
+  constexpr int kPart = D / kSplitBlocks;
+  const int tid = thread_id();
+  const bool finisher = rank == 0 && tid < 32;
+  const int64_t slot = boundary_slot<K>(a, i, p, rank == 0 && tid == 0);
+  FinishIn<D> f;
+  if (finisher) f = finish_in<K, D>(a, p, tid);
+  pool_row<K, D, RING>(a, sm, q, i, p, rank * kPart, (rank + 1) * kPart);
+  cluster_sync();                              // every window read of the cluster done, every block's sm.y complete
+  if (finisher && slot >= 0) {
+    constexpr int V = D / 32;
+    float x[V];
+    V4_UNROLL
+    for (int e = 0; e < V; ++e) x[e] = *cluster_peer(&sm.y[V * tid + e], (V * tid + e) / kPart);
+    finish_values<K, D>(a, x, f, slot, tid);
   }
 }
 
-// Range modes (compress_args.h compress_warp_ranges): kRangeBlock, one range a block; kRangeWarp, kWarps ranges a
-// block, one a warp (K <= 8, D = 128).
-constexpr int kRangeBlock = 0;
-constexpr int kRangeWarp = 1;
+// The cluster of sequence b: sequence_block's work, pooled and written by the cluster's blocks.
+template <int K, int D>
+V4_FN void sequence_split(const CompressArgs& a, CompressSmem& sm, int64_t b, int rank) {
+  using RG = Ring<K, D, kSplitBlocks>;
+  constexpr int RT = Geo<K>::kRatio;
+  const Seq q = seq_of(a, b);
+  if (q.len == 0) return;
+  if (q.slot < 0 || q.slot >= a.n_ring) {
+    if (rank == 0 && thread_id() == 0) atomic_or(a.err_flag, code(ErrFlag::slot_out_of_range));
+    return;
+  }
+  RingBatch<RG::kU> rb;
+  const bool vec = window_vec(a);
+  const int64_t lim = q.len < K - 1 ? q.len : K - 1;
+  const int64_t j = first_boundary<K>(q, 0);
+  const bool pooled = j < lim;                 // the same in every block of the cluster
+  if (pooled) compress_boundary_split<K, D, true>(a, sm, q, q.first + j, q.start + j, rank);
+  if constexpr (Geo<K>::kOverlap) {
+    if (j + RT < lim) {
+      cluster_sync();                          // block 0 done with every sm.y
+      compress_boundary_split<K, D, true>(a, sm, q, q.first + j + RT, q.start + j + RT, rank);
+    }
+  }
+  if (a.update_state) ring_update<K, D, kSplitBlocks>(a, q, rank, vec, rb);
+  if (pooled) cluster_sync();                  // every sm.y alive until block 0 has read it
+}
+
+template <int K, int D>
+V4_FN void compress_split(const CompressArgs& a, CompressSmem& sm) {
+  static_assert(K >= 128 && D % (kSplitBlocks * Geo<K>::kCL) == 0, "split: windows of K >= 128 rows");
+  constexpr int RT = Geo<K>::kRatio;
+  const int64_t item = block_id() / kSplitBlocks;
+  const int rank = cluster_rank();
+  if (item < a.B) return sequence_split<K, D>(a, sm, item, rank);
+  const int64_t i0 = (item - a.B) * RT;
+  Seq q;
+  if (!range_seq(a, i0, q)) return;
+  const int64_t j = range_boundary<K>(q, i0);
+  if (j < 0) return;
+  compress_boundary_split<K, D, false>(a, sm, q, q.first + j, q.start + j, rank);
+  cluster_sync();                              // every sm.y alive until block 0 has read it
+}
+#endif
 
 template <int K, int D, int MODE>
 V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
   constexpr int RT = Geo<K>::kRatio;
   const int64_t bid = block_id();
+#if defined(DSQ_V4_CLUSTERS)
+  if constexpr (MODE == kSplit) {
+    compress_split<K, D>(a, sm);
+    return;
+  }
+#endif
   if (bid < a.B) return sequence_block<K, D>(a, sm, bid);
   if constexpr (MODE == kRangeWarp) {
     static_assert(K <= 8 && D == 128, "warp ranges: K <= 8, D = 128");

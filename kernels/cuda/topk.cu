@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <mutex>
 
+#include "cluster.cuh"
+
 #if defined(__HIP__)
 #define DSQ_TOPK_AMD 1
 #endif
@@ -28,23 +30,10 @@ __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v,
 __device__ __forceinline__ int shared_add(int* p, int v) { return atomicAdd(p, v); }
 __device__ __forceinline__ int global_add(int* p, int v) { return atomicAdd(p, v); }
 #if !defined(__HIP__)
-// Cluster layer (sm_90 on; only cache_block uses it, and only in clusters launched as such): the barrier of
-// every thread of the cluster, with release / acquire ordering of shared-memory accesses across its blocks, and
-// the address in block r's shared memory of the object at p in the caller's (distributed shared memory).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-template <class T>
-__device__ __forceinline__ T* cluster_peer(T* p, int r) {
-  T* q;
-  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(q) : "l"(p), "r"(r));
-  return q;
-}
-__device__ __forceinline__ int cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return static_cast<int>(r);
-}
+// The cluster layer (cluster.cuh; sm_90 on; only cache_block uses it, and only in clusters launched as such).
+using dsqcl::cluster_peer;
+using dsqcl::cluster_rank;
+using dsqcl::cluster_sync;
 #endif
 
 }  // namespace dsqtopk
@@ -76,26 +65,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_cache_kernel(const DsqTopkAr
 #endif
 }
 
-// Whether the current device runs the cached-row kernel: compute capability 9.0 or later and a kernel compiled
-// for it from sm_90 code or later (not from the compute_80 PTX, where the body is empty). Read once per device.
+// Whether the current device runs the cached-row kernel (from sm_90 code: cluster.cuh runs_sm90_code).
 bool cache_supported() {
-  constexpr int kDevices = 64;
-  static std::once_flag once[kDevices];
-  static bool ok[kDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
-    static_cast<void>(cudaGetLastError());
-    return false;
-  }
-  std::call_once(once[dev], [dev] {
-    int major = 0;
-    cudaFuncAttributes attr{};
-    ok[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
-              cudaFuncGetAttributes(&attr, topk_cache_kernel<0, false>) == cudaSuccess && attr.binaryVersion >= 90 &&
-              attr.ptxVersion >= 90;
-    static_cast<void>(cudaGetLastError());
-  });
-  return ok[dev];
+  return dsqcl::runs_sm90_code<struct TopkCache>(reinterpret_cast<const void*>(topk_cache_kernel<0, false>));
 }
 #endif
 

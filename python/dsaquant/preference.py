@@ -7,14 +7,13 @@ max_size) of the op's token count T; the first matching rule of the op wins. An 
 to try first; the default order's remaining backends follow it, so an order never loses a fallback.
 
 The NVIDIA rules come from the H200 measurements in benchmarks/results/h200.md ("Writers" and "Read side",
-2026-12-05: CUDA-graph medians at T = 1, 64, 1024, 8192, 32768, H = 64), and for compress_kv from the H100 table
-of benchmarks/results/h100.md (its short-code kernel, T = 1 to 8192). An op whose ranking was the same at every
-measured T has one order and no size range; a size range starts at the first measured T where the ranking turns;
-sizes and variants not measured keep the default order. Kept on the default order (cuda first, measured faster at
-every T): `index_q_rope_pack_weights` (but 1024, where triton is 2 % faster), the k writers
-`index_k_norm_rope_pack_store` and `rmsnorm_rope_rotate_fp4quant_kvcache`, `compress_kv` below T = 32768 (decode
-steps included), `paged_mqa_logits`, `mqa_logits` and `topk_indices`. On AMD the default order holds until
-measured.
+2026-12-05: CUDA-graph medians at T = 1, 64, 1024, 8192, 32768, H = 64; compress_kv: its own table of
+2026-12-06 there and in benchmarks/results/h100.md). An op whose ranking was the same at every measured T has one
+order and no size range; a size range starts at the first measured T where the ranking turns; sizes and variants
+not measured keep the default order. Kept on the default order (cuda first, measured faster at every T):
+`index_q_rope_pack_weights` (but 1024, where triton is 2 % faster), the k writers `index_k_norm_rope_pack_store`
+and `rmsnorm_rope_rotate_fp4quant_kvcache`, `compress_kv` (every ratio, decode steps included), `paged_mqa_logits`,
+`mqa_logits` and `topk_indices`. On AMD the default order holds until measured.
 """
 from __future__ import annotations
 
@@ -55,13 +54,6 @@ TABLE: dict[str, dict[str, tuple[Rule, ...]]] = {
         "rope_rotate_quant": (Rule(TRITON_FIRST, variant="fp4", min_size=1024, why="FP4 out, H=64: T=1024 cuda "
                                    "27.30 vs triton 15.94 µs, T=8192 151.50 vs 84.26 (T=1 3.17 vs 5.06, T=64 "
                                    "3.44 vs 5.79: cuda)"),),
-        "compress_kv": (Rule(TRITON_FIRST, variant="ratio=128", min_size=32768, why="prefill FP4, T=32768: cuda "
-                             "144.29 vs triton 98.17 µs (the kernel before its short-code pool; H100, this kernel: "
-                             "T=1 2.37 vs 4.98, T=64 5.04 vs 5.71, T=1024 36.17 vs 44.87, T=8192 37.30 vs 45.35: "
-                             "cuda)"),
-                        Rule(TRITON_FIRST, variant="ratio=4", min_size=32768, why="prefill FP4, T=32768: cuda "
-                             "125.97 vs triton 109.14 µs (the kernel before its short-code pool; H100, this kernel: "
-                             "T=64 8.66 vs 10.30, T=1024 9.10 vs 11.38, T=8192 17.34 vs 41.03: cuda)")),
     },
     "amd": {},
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -28,7 +29,7 @@ namespace dsqv4 {
 #define V4_FN inline
 #define V4_UNROLL
 #define V4_NO_UNROLL
-inline int thread_id() { return emu::thread_id(); }
+inline int thread_id() { return emu::thread_id() % emu::current()->rank_size; }   // in its own block
 inline int64_t block_id() { return emu::block_id(); }
 inline void block_sync() { emu::block_barrier(); }
 inline float shfl_xor(float v, int s) { return emu::shuffle_xor(v, s); }
@@ -43,15 +44,41 @@ inline void st8(void* p, uint32_t w0, uint32_t w1) {
   std::memcpy(p, w, 8);
 }
 inline void st4(void* p, uint32_t w) { std::memcpy(p, &w, 4); }
+// The cluster layer of the column-split mode: a cluster's blocks run together (fibers.h), each with its own
+// CompressSmem of `g_cluster_smem`, which the others reach through cluster_peer.
+#define DSQ_V4_CLUSTERS 1
+struct CompressSmem;
+inline CompressSmem* g_cluster_smem = nullptr;
+inline int g_cluster_blocks = 0;
+inline void cluster_sync() { emu::cluster_barrier(); }
+inline int cluster_rank() { return emu::cluster_rank(); }
+template <class T>
+T* cluster_peer(T* p, int r);
 }  // namespace dsqv4
 
 #include "compress_body.cuh"
 #include "rotate_body.cuh"
 
+namespace dsqv4 {
+// The address in block r's CompressSmem of the object at p in the caller's (an error outside the caller's).
+template <class T>
+T* cluster_peer(T* p, int r) {
+  const int me = emu::cluster_rank();
+  char* const c = reinterpret_cast<char*>(const_cast<std::remove_cv_t<T>*>(p));
+  char* const base = reinterpret_cast<char*>(g_cluster_smem);
+  constexpr ptrdiff_t stride = sizeof(CompressSmem);
+  if (r < 0 || r >= g_cluster_blocks || c < base + me * stride || c + sizeof(T) > base + (me + 1) * stride)
+    throw std::runtime_error("cluster_peer: block " + std::to_string(r) + " or an address outside the caller's "
+                             "shared memory");
+  return reinterpret_cast<T*>(c + (static_cast<ptrdiff_t>(r) - me) * stride);
+}
+}  // namespace dsqv4
+
 namespace {
 
-// compress_kv's range mode: 0 the launcher's choice by call size, 1 one range a block, 2 one range a warp (where
-// K <= 8 and D = 128; elsewhere one a block, as the launcher does).
+// compress_kv's range mode: 0 the launcher's choice by call size (on sm_90: clusters for K >= 128), 1 one range a
+// block (and one block a window: the mode of devices without clusters), 2 one range a warp (where K <= 8 and
+// D = 128; elsewhere one a block, as the launcher does).
 int g_compress_force = 0;
 
 template <int K, int D, int MODE>
@@ -62,8 +89,29 @@ void compress_grid_run(const dsqv4::CompressArgs& a) {
   });
 }
 
+// The column-split mode: clusters of kSplitBlocks blocks, each cluster's blocks run together.
+template <int K, int D>
+void compress_split_run(const dsqv4::CompressArgs& a) {
+  constexpr int S = dsqv4::kSplitBlocks;
+  std::unique_ptr<dsqv4::CompressSmem[]> sms(new dsqv4::CompressSmem[S]);
+  dsqv4::g_cluster_smem = sms.get();
+  dsqv4::g_cluster_blocks = S;
+  emu::run_grid(dsqv4::compress_grid(a, false, true) / S, [&](int64_t cluster) {
+    std::memset(static_cast<void*>(sms.get()), 0xA5, sizeof(dsqv4::CompressSmem) * S);
+    emu::run_block(cluster * S, S * dsqv4::kThreads, [&] {
+      dsqv4::compress_block<K, D, dsqv4::kSplit>(a, sms[emu::cluster_rank()]);
+    }, dsqv4::kThreads);
+  });
+}
+
 template <int K>
 void compress_k(const dsqv4::CompressArgs& a) {
+  if constexpr (K >= 128) {
+    if (g_compress_force == 0 && dsqv4::compress_split_windows(a)) {
+      if (a.D == 128) return compress_split_run<K, 128>(a);
+      if (a.D == 512) return compress_split_run<K, 512>(a);
+    }
+  }
   if constexpr (K <= 8) {
     if (dsqv4::compress_warp_ranges(a, g_compress_force)) return compress_grid_run<K, 128, dsqv4::kRangeWarp>(a);
   }
