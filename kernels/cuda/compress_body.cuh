@@ -230,7 +230,8 @@ struct Geo {
   // Pool: a warp covers kCL consecutive columns x kPL window slices. Lane = pl * kCL + cl holds column cl
   // and partials i = pl + kPL * q, q < kQ (window rows 4i .. 4i+3): loads of one row are kCL consecutive
   // floats, and the butterfly's strides >= kPL stay in the thread, the smaller ones cross lanes (xor s*kCL).
-  static constexpr int kPL = K == 256 ? DSQ_COMPRESS_SLICES_256 : (K == 128 ? DSQ_COMPRESS_SLICES_128 : (K == 8 ? 2 : 1));
+  static constexpr int kPL =
+      K == 256 ? DSQ_COMPRESS_SLICES_256 : (K == 128 ? DSQ_COMPRESS_SLICES_128 : (K == 8 ? 2 : 1));
   static_assert(kPL >= 1 && kPL <= 32 && (kPL & (kPL - 1)) == 0 && kPL <= K / 4, "slices: a power of two <= 32");
   // Few rows a thread also leave the registers to load every row's kv with its sig (one wait for memory a pass).
   static constexpr bool kKvEarly = kM / kPL <= 2;
@@ -649,9 +650,9 @@ V4_FN void pool_warp_dt(const CompressArgs& a, const Win& w, int lane, float (&y
   window4<K, DT, VEC, RING>(a, w, 4 * lane, sig, kv);
   V4_UNROLL
   for (int j = 0; j < 4; ++j) y[j] = 0.0f;
-  // One column a trip, in a loop that is not unrolled (a quarter of the code; see "short code" in docs): each trip
-  // pools column 0 of the arrays, then shifts every array down by one column (register moves), so that after the
-  // four trips y holds the four columns in order.
+  // One column a trip, in a loop that is not unrolled (a quarter of the code; docs/compress_kv.md, "Short code"):
+  // each trip pools column 0 of the arrays, then shifts every array down by one column (register moves), so that
+  // after the four trips y holds the four columns in order.
   V4_NO_UNROLL
   for (int e = 0; e < 4; ++e) {
     float v[K];
@@ -712,13 +713,14 @@ V4_FN bool is_boundary(int64_t p) { return p >= 0 && ((p + 1) & (Geo<K>::kRatio 
 // instruction cache, so the code it runs is kept short. Inputs or ring rows that are not 16-byte aligned take
 // the same loop with scalar loads and stores.
 // S: the blocks that share the update (the cluster of the column-split mode; else 1), block r taking the units
-// r*kThreads + t + kThreads*S*u.
+// r*kThreads + t + kThreads*S*u, t counted from the block's last thread (so that warp 0, which finishes the last
+// boundary meanwhile, gets its units last).
 template <int K, int D, int S = 1>
 struct Ring {
   static constexpr int kC = (Geo<K>::kOverlap ? 2 : 1) * D;
   static constexpr int kUnits = K * kC / 8;                               // units of the K rows
   static constexpr int kPerThread = (kUnits + kThreads * S - 1) / (kThreads * S);
-  static constexpr int kU = kPerThread < 4 ? kPerThread : 4;              // (kUnits / kThreads a multiple of 4)
+  static constexpr int kU = kPerThread < 4 ? kPerThread : 4;              // (kPerThread: 1, 2 or a multiple of 4)
   static constexpr int kBatches = kPerThread / kU;
   // The first batch is loaded before the sequence block's boundaries (it only reads inputs) and stored after them,
   // so that a decode step waits for memory once: ratio 4, where the whole ring is one batch of a few registers.
@@ -770,7 +772,7 @@ V4_FN void store8_f(float* p, const float (&x)[8]) {
 template <int K, int D, int S>
 V4_FN void ring_unit(int batch, int u, int rank, int& row, int& c) {
   using RG = Ring<K, D, S>;
-  const int unit = ((batch * RG::kU + u) * S + rank) * kThreads + (kThreads - 1 - thread_id());   // the last warp first
+  const int unit = ((batch * RG::kU + u) * S + rank) * kThreads + (kThreads - 1 - thread_id());
   row = unit / (RG::kC / 8);
   c = 8 * (unit % (RG::kC / 8));
 }
