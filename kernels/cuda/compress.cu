@@ -70,7 +70,7 @@ namespace dsqv4 {
 
 // The second bound (CUDA: min resident blocks per SM; HIP: min waves per EU) is given so that ptxas does not pick an
 // occupancy-driven register target of its own, which spilled a few registers of some instantiations (sm_90a/100a).
-// Large windows keep ~200 registers (the pool holds K/32 rows of sig per thread and hoists their loads).
+// Large windows keep 120-170 registers on sm_90a (a thread holds 8 window rows of sig and kv, compress_body.cuh Geo).
 // The column-split instances (MODE kSplit) exist in sm_90 code and later only: launch_split checks that the device
 // runs such code (cluster.cuh runs_sm90_code) before it launches them in clusters.
 template <int K, int D, int MODE>
