@@ -9,8 +9,6 @@
 #if !defined(__HIP__)
 #include <cuda_runtime.h>
 
-#include <mutex>
-
 namespace dsqcl {
 
 __device__ __forceinline__ void cluster_sync() {
@@ -28,28 +26,34 @@ __device__ __forceinline__ int cluster_rank() {
   return static_cast<int>(r);
 }
 
+namespace {   // internal linkage: each library source keeps its own flags, and none of them is exported
+
 // Whether the current device runs `kernel` from sm_90 code or later: compute capability 9.0 or later and a binary
 // of the kernel for it (not one from the compute_80 PTX, where the cluster bodies are empty). Read once per device
-// for each Tag (one tag a kernel family).
+// for each Tag (one tag a kernel family); threads that read it at the same time store the same answer.
 template <class Tag>
 bool runs_sm90_code(const void* kernel) {
   constexpr int kDevices = 64;
-  static std::once_flag once[kDevices];
-  static bool ok[kDevices];
+  static int known[kDevices];   // 0: not read yet, 1: runs it, 2: does not
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
     static_cast<void>(cudaGetLastError());
     return false;
   }
-  std::call_once(once[dev], [dev, kernel] {
+  int k = __atomic_load_n(&known[dev], __ATOMIC_ACQUIRE);
+  if (k == 0) {
     int major = 0;
     cudaFuncAttributes attr{};
-    ok[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
-              cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    major >= 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+                    attr.ptxVersion >= 90;
     static_cast<void>(cudaGetLastError());
-  });
-  return ok[dev];
+    k = ok ? 1 : 2;
+    __atomic_store_n(&known[dev], k, __ATOMIC_RELEASE);
+  }
+  return k == 1;
 }
 
+}  // namespace
 }  // namespace dsqcl
 #endif

@@ -7,7 +7,6 @@
 
 #include <climits>
 #include <cstdint>
-#include <mutex>
 
 #include "cluster.cuh"
 
