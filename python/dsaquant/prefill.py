@@ -86,10 +86,16 @@ def _inputs(q, k, weights, ks, ke, layout, q_scale, k_scale, exact):
     return qu, qs, ku, k_scale, weights, flavour, S, H, SKV
 
 
+def _clamp32(x: Tensor, lo: int, hi: int) -> Tensor:
+    """int32 [S]: x (int32 or int64 [S]) clamped to [lo, hi]; one launch for int32 x (a graph of a prefill call
+    holds a handful of these small launches, each costing about as much as a microsecond of the logits kernel)."""
+    if x.dtype == torch.int32:
+        return torch.clamp(x, lo, hi)
+    return torch.clamp(x, lo, hi).to(torch.int32)
+
+
 def _ranges(ks, ke, SKV: int):
-    lo = torch.clamp(ks.to(torch.int64), 0, SKV).to(torch.int32)
-    hi = torch.clamp(ke.to(torch.int64), 0, SKV).to(torch.int32)
-    return lo.contiguous(), hi.contiguous()
+    return _clamp32(ks, 0, SKV), _clamp32(ke, 0, SKV)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,10 +148,8 @@ def mqa_logits(q, k, weights, ks, ke, *, layout="fp8", q_scale=None, k_scale=Non
         out = torch.empty((S, W), dtype=out_dtype, device=dev)
     V.tensor("out", out, (out_dtype,), (S, W), dev, last_contiguous=True)
     lo, hi = _ranges(ks, ke, SKV)
-    if compressed:
-        base = torch.clamp(ks.to(torch.int64), -W, SKV).to(torch.int32).contiguous()
-    else:
-        base = torch.zeros(S, dtype=torch.int32, device=dev)
+    # base is read by the compressed output only (the backends' full output puts key j at column j)
+    base = _clamp32(ks, -W, SKV) if compressed else lo
     if S == 0 or W == 0:
         return out
     name = dispatch.choose_for("mqa_logits", dev, backend, S)
@@ -184,7 +188,7 @@ def mqa_topk(q, k, weights, ks, ke, topk, *, layout="fp8", q_scale=None, k_scale
     V.flag("relative", relative)
     lo, hi = _ranges(ks, ke, SKV)
     if relative:
-        base = torch.clamp(ks.to(torch.int64), SKV - _INT32_MAX, SKV).to(torch.int32).contiguous()
+        base = _clamp32(ks, SKV - _INT32_MAX, SKV)
     else:
         base = torch.zeros(S, dtype=torch.int32, device=dev)
     if S == 0:

@@ -6,8 +6,9 @@ output is compressed). The op layer (dsaquant.prefill) has already validated the
 the hostile row ranges into three int32 [S] tensors:
   lo[i] = clamp(ks[i], 0, SKV), hi[i] = clamp(ke[i], 0, SKV)    key j is valid for row i iff lo <= j < hi
   base[i]                                                        column of key j is j - base[i]
-(base = 0 for the full [S, SKV] output; base = ks clamped to [-W, SKV] for the compressed output, which
-keeps every column's key, j = ks + c, or keeps it invalid.)
+(base = ks clamped to [-W, SKV] for the compressed output, which keeps every column's key, j = ks + c, or keeps
+it invalid; mqa_logits reads base for the compressed output only, the full [S, SKV] output puts key j at column
+j; mqa_topk gets base = 0 for absolute positions.)
 """
 from __future__ import annotations
 
