@@ -26,13 +26,13 @@ def cxx() -> str | None:
 def build(sources: list[Path], name: str, what: str, extra_flags: tuple[str, ...] = (), includes: tuple[str, ...] = (),
           filename: str | None = None) -> Path:
     """The shared library build/<name>/<hash>/<filename> (default lib<name>.so) of sources[0] (the others: what
-    it includes, for the hash), compiled with CXXFLAGS + extra_flags and the include dirs src/include,
+    it includes, for the hash, besides every shared header of src/include), compiled with CXXFLAGS + extra_flags and the include dirs src/include,
     kernels/cuda and `includes`. Raises RuntimeError naming `what` when the compile fails."""
     compiler = cxx() or "g++"
     flags = [*CXXFLAGS, *extra_flags, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}",
              *(f"-I{d}" for d in includes)]
     h = hashlib.sha256()
-    for p in sources:
+    for p in [*sources, *sorted((REPO / "src" / "include" / "dsaquant").glob("*.h"))]:   # and the shared headers
         h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join([compiler, *flags, sys.version]).encode())

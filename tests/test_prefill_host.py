@@ -23,7 +23,7 @@ from dsaquant.backends import prefill_abi
 
 from conftest import REPO
 from host_cpp import emulator
-from test_prefill import RANGES, check_close, expected_layout, make, oracle
+from test_prefill import RANGES, _fp4_values, check_close, expected_layout, make, oracle
 
 CPP = REPO / "tests" / "cpp"
 SOURCES = [CPP / "prefill_host.cpp", *(REPO / "kernels" / "cuda" / f for f in ("prefill_body.cuh", "prefill.h", "quad.cuh")),
@@ -137,30 +137,57 @@ def test_ranges_at_tile_edges(lib, clean):
 
 
 @pytest.mark.parametrize("W", [0, 30])
-def test_fold_mode_leaves_the_other_entries(lib, W):
-    """Fold mode (row_fold given): the logits of rows with row_fold 0 and of keys with a scale <= 0 are left
-    untouched (another launch writes them); every other entry, -inf included, as without it."""
-    a = make("fp8", S=8, H=32, SKV=150, seed=9)
-    a["k_scale"][[3, 70, 149]] = -1.0
-    row_fold = torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=torch.int32)
-    ks, ke = _ranges(8, 150, 4)
-    got, ref = run(lib, a, ks, ke, W=W, row_fold=row_fold)
-    lo, hi = ks.clamp(0, 150), ke.clamp(0, 150)
-    j = torch.arange(150)
-    inr = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
-    other = inr & ((row_fold[:, None] == 0) | (a["k_scale"][None, :] <= 0))
-    if W:
-        c = j[None, :] - ks.clamp(-W, 150)[:, None]
-        full = torch.full((8, W), False)
-        for i, jj in other.nonzero().tolist():
-            if 0 <= int(c[i, jj]) < W:
-                full[i, int(c[i, jj])] = True
-        other = full
-        want = torch.where(other, float("-inf"), ref)   # the compressed form starts as -inf (clean)
-    else:
-        want = torch.where(other, UNTOUCHED, ref)
-    assert bool(other.any())
-    compare(a, ks, ke, got, want, W)
+@pytest.mark.parametrize("bf16w", [False, True])
+def test_fold_mode_leaves_the_other_entries(lib, W, bf16w):
+    """FP4 fold mode (q_scale given): the kernel folds the packed query rows as it loads them. The logits of
+    queries with a head that does not fold exactly (exponents 15 binades apart, a zero-scale block, outside [64,
+    190], a weight whose product with the fold scale is subnormal) and of keys with a scale <= 0 are left untouched
+    (another launch writes them); every other entry, -inf included, is the logit of the dequantized q rows against
+    the e4m3 keys times their scales. A query whose exponents span exactly 14 binades folds."""
+    S, H, SKV = 8, 32, 150
+    a = make("fp4", S=S, H=H, SKV=SKV, seed=9)
+    a8 = make("fp8", S=S, H=H, SKV=SKV, seed=9)
+    qs = a["q_scale"].clone()
+    qs[1, 3] = torch.tensor([120, 134, 127, 125], dtype=torch.uint8)    # span 14: folds
+    qs[2, 5] = torch.tensor([120, 135, 127, 125], dtype=torch.uint8)    # span 15
+    qs[4, 0, 2] = 0                                                     # a zero-scale block
+    qs[5, 31] = torch.tensor([191, 190, 185, 188], dtype=torch.uint8)   # above 190
+    w = a["weights"].clone()
+    qs[6, 7] = 120
+    w[6, 7] = 2.0 ** -120                                               # w * 2^(120 - 133) subnormal
+    w[0, 1] = 0.0                                                       # a zero weight folds
+    if bf16w:
+        w = w.to(torch.bfloat16)
+    k_scale = a8["k_scale"].clone()
+    k_scale[[3, 70, 149]] = -1.0
+    ks = torch.tensor([0, 10, 0, 20, 5, -7, 30, 46])
+    ke = torch.tensor([150, 140, 160, 149, 150, 120, 150, 123])
+    Wd = W or SKV
+    out = torch.full((S, Wd), float("-inf") if W else UNTOUCHED)
+    lo, hi = ks.clamp(0, SKV).to(torch.int32), ke.clamp(0, SKV).to(torch.int32)
+    base = ks.clamp(-Wd, SKV).to(torch.int32) if W else lo
+    words = qs.contiguous().view(torch.int32).reshape(S * H)
+    args = prefill_abi.make_args(a["q"].contiguous(), a8["k"].view(torch.uint8).contiguous(), k_scale, w, lo, hi,
+                                 base, out, True, bool(W), 0, words)
+    lib.dsq_emu_set_order(0, 7)
+    lib.dsq_emu_set_slots(8)
+    assert prefill_abi.call(lib, args, 0) == 0
+
+    qv = _fp4_values(a["q"], qs)                                        # float64 [S, H, 128]
+    kv = a8["k"].view(torch.float8_e4m3fn).to(torch.float64)
+    w64 = w.to(torch.float64)
+    dots = torch.einsum("shd,jd->shj", qv, kv)
+    vals = (torch.relu(dots) * w64.unsqueeze(-1)).sum(1) * k_scale.to(torch.float64)
+    mag = (torch.einsum("shd,jd->shj", qv.abs(), kv.abs()) * w64.abs().unsqueeze(-1)).sum(1) * k_scale.abs()
+    folds = torch.tensor([1, 1, 0, 1, 0, 0, 0, 1], dtype=torch.bool)
+    other = (~folds[:, None]) | (k_scale[None, :] <= 0)                 # entries the kernel leaves
+    want = expected_layout(torch.where(other, float("nan"), vals), ks, ke, SKV, W)
+    got = out.to(torch.float64)
+    left = want.isnan()
+    fill = float("-inf") if W else UNTOUCHED
+    assert bool(left.any()) and bool((got[left] == fill).all()), "entries of queries or keys that do not fold"
+    mag = expected_layout(mag, ks, ke, SKV, W).nan_to_num(0, 0, 0).clamp_min(0)
+    check_close(torch.where(left, float("-inf"), got), torch.where(left, float("-inf"), want), mag)
 
 
 def test_nan_codes(lib):
@@ -249,8 +276,8 @@ def test_kernel_builds_without_spills(tmp_path, arch):
 # ---- FP4 folded into e4m3: the Triton pre-passes, the emulated kernel, then Triton's second pass -------------
 def _fold_pipeline(so):
     """prefill_abi.run on FP4 inputs (TRITON_INTERPRET=1: the Triton kernels in the interpreter, the CUDA kernel
-    in the emulator): block exponents spanning up to the 14 binades that fold, one key that does not fold and one
-    query row with a zero-scale block. Returns the failures."""
+    in the emulator): block exponents spanning up to the 14 binades that fold, one key that does not fold and two
+    query rows with a zero-scale block. Returns the failures."""
     h = ctypes.CDLL(so)
     h.dsq_emu_set_slots.argtypes = [ctypes.c_int64]
     h.dsq_emu_set_slots(4)
@@ -258,6 +285,7 @@ def _fold_pipeline(so):
     a = make("fp4", S=6, H=32, SKV=150, exp_lo=118, exp_hi=133, seed=2)
     a["k_scale"][37, 2] = 100
     a["q_scale"][1, 5, 0] = 0
+    a["q_scale"][3, 2, 1] = 0    # a query of a later block of rows too (the second pass's programs take several)
     ks, ke = RANGES
     for W, clean in ((0, True), (24, True), (0, False), (30, False)):
         S, SKV = 6, 150

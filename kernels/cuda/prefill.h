@@ -17,16 +17,19 @@ extern "C" {
 enum { DSQ_PREFILL_TILE = 64 };   /* keys per tile (the wgmma M side) */
 
 typedef struct DsqMqaLogitsArgs {
-  const void* q;          /* e4m3fn [S, H, 128], contiguous, 16-byte aligned */
+  const void* q;          /* e4m3fn [S, H, 128], or packed E2M1 [S, H, 64] with q_scale; contiguous, 16-byte aligned */
   const void* k;          /* e4m3fn [SKV, 128], contiguous, 16-byte aligned */
   const float* k_scale;   /* fp32 [SKV], 16-byte aligned */
   const void* weights;    /* fp32 or bf16, element (i, h) at i * w_row + h * w_head */
   const int32_t* lo;      /* [S]: row i scores the keys lo[i] <= j < hi[i] (0 <= lo, hi <= SKV; lo >= hi: none) */
   const int32_t* hi;      /* [S] */
   const int32_t* base;    /* [S]: compressed output: key j of row i goes to column j - base[i] if in [0, W) */
-  const int32_t* row_fold;  /* NULL, or FP4 folded into e4m3 by the pre-passes (docs/prefill.md): the logit of
-                               (i, j) is written only where row_fold[i] != 0 and k_scale[j] > 0 (another launch
-                               writes the others); -inf and the fills as without it */
+  const uint32_t* q_scale; /* NULL, or FP4 fold mode (docs/prefill.md): q packed E2M1 with these UE8M0 exponent
+                               words [S * H] (block j in byte j), folded into e4m3 by the kernel (dsaquant/fp4_fold.h),
+                               the keys folded by a pre-pass (k_scale[j] <= 0: key j does not fold). The logit of
+                               (i, j) is written only where every head of query row i folds exactly with a normal
+                               or zero weight product, and k_scale[j] > 0 (another launch writes the others); -inf
+                               and the fills as without it */
   void* out;              /* fp32 or bf16 [S, ld]; W columns */
   int64_t S, SKV, H, W, ld, w_row, w_head;
   int32_t w_dtype;        /* 0 fp32, 1 bf16 */

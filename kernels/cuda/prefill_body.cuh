@@ -17,8 +17,9 @@
 //     relu (NaN kept) times the head weight, summed over each row's H heads (in the thread, then over the 4
 //     lanes that share an accumulator row), times the key's scale, stored: full output (every key j < SKV:
 //     the logit inside the row's range, -inf outside with `clean`, untouched without) or compressed (column
-//     j - base[i] where it lies in [0, W)). Fold mode (row_fold given): the logits of rows and keys that did not
-//     fold are left to another launch (prefill.h).
+//     j - base[i] where it lies in [0, W)). FP4 fold mode (q_scale given): the q rows are packed E2M1, folded
+//     into e4m3 as they are loaded (dsaquant/fp4_fold.h), the keys were folded by a pre-pass; the logits of
+//     queries and keys that do not fold are left to another launch (prefill.h).
 // Tiles of the split outside the union of the rows' ranges are only filled with -inf (full output, `clean`).
 //
 // The includer defines, in namespace dsqpf, before including this file:
@@ -45,6 +46,7 @@
 #include <cstdint>
 
 #include "dsaquant/dsaquant.h"
+#include "dsaquant/fp4_fold.h"
 #include "prefill.h"
 #include "quad.cuh"
 
@@ -59,11 +61,18 @@ constexpr int kRows = 128;                // q rows (query, head) of a block: th
 constexpr int kStages = DSQ_PREFILL_STAGES;
 static_assert(kStages >= 2, "DSQ_PREFILL_STAGES: at least 2");
 
-// Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales.
+// Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales; FP4
+// fold mode: the q rows' weights times their fold scales, and which of the block's queries fold.
 constexpr int kSmemQ = 0;
 constexpr int kSmemK = kRows * 128;
 constexpr int kSmemScale = kSmemK + kStages * kTile * 128;
-constexpr int kSmemBytes = kSmemScale + kStages * kTile * 4;
+constexpr int kSmemW = kSmemScale + kStages * kTile * 4;
+constexpr int kSmemFold = kSmemW + kRows * 4;
+constexpr int kSmemBytes = kSmemFold + 8 * 4;   // a flag for each of up to 8 queries (H = 16)
+
+struct alignas(16) Words4 {
+  uint32_t w[4];
+};
 
 // Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows (the MMA's 128-byte swizzle).
 PF_FN int swizzled(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
@@ -164,19 +173,66 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
 
   // ---- the q rows (zero for rows past S) and this thread's head weights ----------------------------------
   const uint8_t* const q = static_cast<const uint8_t*>(a.q);
-  DSQ_UNROLL
-  for (int u = 0; u < kRows * 8 / kThreads; ++u) {
-    const int idx = tid + kThreads * u, r = idx >> 3, c = idx & 7;
-    uint32_t* d = reinterpret_cast<uint32_t*>(sq + swizzled(r, c));
-    if (i0 + r / H < a.S) {
-      const uint32_t* s = reinterpret_cast<const uint32_t*>(q + ((i0 + r / H) * H + r % H) * 128 + c * 16);
-      d[0] = s[0];
-      d[1] = s[1];
-      d[2] = s[2];
-      d[3] = s[3];
-    } else {
-      d[0] = d[1] = d[2] = d[3] = 0u;
+  const bool fold = a.q_scale != nullptr;
+  float* const sw = reinterpret_cast<float*>(smem + kSmemW);
+  int* const sfold = reinterpret_cast<int*>(smem + kSmemFold);
+  if (!fold) {
+    DSQ_UNROLL
+    for (int u = 0; u < kRows * 8 / kThreads; ++u) {
+      const int idx = tid + kThreads * u, r = idx >> 3, c = idx & 7;
+      uint32_t* d = reinterpret_cast<uint32_t*>(sq + swizzled(r, c));
+      if (i0 + r / H < a.S) {
+        const uint32_t* s = reinterpret_cast<const uint32_t*>(q + ((i0 + r / H) * H + r % H) * 128 + c * 16);
+        d[0] = s[0];
+        d[1] = s[1];
+        d[2] = s[2];
+        d[3] = s[3];
+      } else {
+        d[0] = d[1] = d[2] = d[3] = 0u;
+      }
     }
+  } else {
+    // FP4 fold mode: item (row r, block j) expands the 32 codes of block j (16 bytes) into elements 32 j .. 32 j +
+    // 31 of the e4m3 row (chunks 2 j and 2 j + 1); the first item of a row also keeps its weight times the fold
+    // scale and clears its query's flag when the row does not fold exactly or that product is not a normal number
+    // or zero (the rule of the Triton second pass, which scores those queries).
+    if (tid < NQ) sfold[tid] = 1;
+    block_sync();
+    DSQ_UNROLL
+    for (int u = 0; u < kRows * 4 / kThreads; ++u) {
+      const int idx = tid + kThreads * u, r = idx >> 2, j = idx & 3, qi = r / H;
+      const bool live_r = i0 + qi < a.S;
+      const int64_t row = (i0 + qi) * H + r % H;
+      uint32_t e = 0;
+      Words4 raw = {{0u, 0u, 0u, 0u}};
+      if (live_r) {
+        e = a.q_scale[row];
+        raw = *reinterpret_cast<const Words4*>(q + row * 64 + j * 16);
+      }
+      const int emax = dsq::fold_emax(e);
+      uint32_t lo, hi, x[8];
+      dsq::fold_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
+      DSQ_UNROLL
+      for (int w = 0; w < 4; ++w) dsq::fold_expand8(raw.w[w], lo, hi, x[2 * w], x[2 * w + 1]);
+      uint32_t* d0 = reinterpret_cast<uint32_t*>(sq + swizzled(r, 2 * j));
+      uint32_t* d1 = reinterpret_cast<uint32_t*>(sq + swizzled(r, 2 * j + 1));
+      d0[0] = x[0];
+      d0[1] = x[1];
+      d0[2] = x[2];
+      d0[3] = x[3];
+      d1[0] = x[4];
+      d1[1] = x[5];
+      d1[2] = x[6];
+      d1[3] = x[7];
+      if (j == 0) {
+        const float w = live_r ? load_weight(a, i0 + qi, r % H) : 0.0f;
+        const float wf = w * dsq::fold_scale(emax), aw = fabsf(wf);
+        const bool ok = dsq::fold_exact(e) && (w == 0.0f || (aw >= dsq::u2f(0x00800000u) && aw < dsq::u2f(0x7F800000u)));
+        sw[r] = wf;
+        if (live_r && !ok) sfold[qi] = 0;
+      }
+    }
+    block_sync();   // sw, sfold
   }
   float wr[kRows / 4];   // column 8 c + 2 (lane % 4) + j at wr[2 c + j]
   DSQ_UNROLL
@@ -184,7 +240,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     DSQ_UNROLL
     for (int j = 0; j < 2; ++j) {
       const int col = 8 * c + 2 * (lane & 3) + j, qi = col / H;
-      wr[2 * c + j] = i0 + qi < a.S ? load_weight(a, i0 + qi, col % H) : 0.0f;
+      wr[2 * c + j] = fold ? sw[col] : (i0 + qi < a.S ? load_weight(a, i0 + qi, col % H) : 0.0f);
     }
   async_fence();   // the q rows, written with plain stores, are read by the matrix unit
 
@@ -216,7 +272,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     slot_lo[i] = slot_live[i] ? a.lo[i0 + qi] : 0;
     slot_hi[i] = slot_live[i] ? a.hi[i0 + qi] : 0;
     slot_base[i] = slot_live[i] && a.compressed ? a.base[i0 + qi] : 0;
-    slot_mine[i] = slot_live[i] && (a.row_fold == nullptr || a.row_fold[i0 + qi] != 0);
+    slot_mine[i] = slot_live[i] && (!fold || sfold[qi] != 0);
   }
   // Tile t's epilogue: keys t*64 + m0 and t*64 + m0 + 8.
   // The head sums of an accumulator set of ns / 2 registers over q rows r0 .. r0 + ns - 1 (columns of the tile;
@@ -241,7 +297,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
       DSQ_UNROLL
       for (int i = 0; i < kSlots; ++i) {
         const float sc = ssc[s * kTile + slot_key[i]];
-        if (slot_mine[i] && (a.row_fold == nullptr || sc > 0.0f))
+        if (slot_mine[i] && (!fold || sc > 0.0f))
           store_logit(a, slot_row[i], t0 + slot_key[i], g[i] * sc);
       }
       return;
@@ -252,7 +308,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
       if (j >= SKV || !slot_live[i]) continue;
       const float sc = ssc[s * kTile + slot_key[i]];
       const bool in = j >= slot_lo[i] && j < slot_hi[i];
-      const bool own = slot_mine[i] && (a.row_fold == nullptr || sc > 0.0f);
+      const bool own = slot_mine[i] && (!fold || sc > 0.0f);
       if (a.compressed) {
         const int64_t col = static_cast<int64_t>(j) - slot_base[i];
         if (in && own && col >= 0 && col < a.W) store_logit(a, slot_row[i], col, g[i] * sc);

@@ -22,7 +22,6 @@ namespace dsqsc {
 using namespace dsq_sm90;   // thread_id, block_sync, shfl_xor, cp16 .. cp_wait, async_fence, relu_nan, the MMAs
 __device__ __forceinline__ bool any_sync(bool p) { return __any_sync(0xFFFFFFFFu, p) != 0; }
 __device__ __forceinline__ void flag_or(int32_t* p, int v) { atomicOr(p, v); }
-__device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
 
 }  // namespace dsqsc
 

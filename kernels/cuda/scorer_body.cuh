@@ -37,8 +37,6 @@
 //                                           cp_wait<N> returns when at most N of this thread's groups are pending
 //   void async_fence();                     this thread's shared-memory writes made visible to the matrix unit
 //   float relu_nan(float x);                max(x, 0), NaN kept
-//   uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s);
-//                                           byte i of the result: byte (s >> 4i) & 7 of the eight bytes of (y:x)
 //   template <int NT> void mma_ss(float (&acc)[NT / 2], const uint8_t* k_tile, const uint8_t* q_rows);
 //   template <int NT> void mma_rs(float (&acc)[NT / 2], const uint32_t (&a)[4][4], const uint8_t* q_rows);
 //                                           start acc = K . Q^T over K = 128 (four 32-wide steps) for a tile of 64
@@ -59,6 +57,7 @@
 
 #include "dsaquant/arith.h"
 #include "dsaquant/codes.h"
+#include "dsaquant/fp4_fold.h"
 #include "dsaquant/fp8.h"
 #include "dsaquant/layouts.h"
 #include "quad.cuh"
@@ -94,7 +93,6 @@ constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
               "scorer.h layout codes are dsaquant/codes.h's");
-constexpr int kFoldShift = 6;      // E2M1 values are scaled by up to 2^6 (6 * 64 = 384 <= 448)
 constexpr int kLutEntries = 33;    // exponent distances 0..31 (31: every value rounds to zero), 32: a zero scale
 
 // Shared memory of one block, in bytes from a 1024-aligned base.
@@ -143,35 +141,20 @@ SC_FN float load_float(const void* p, int64_t i, int dtype) {
 SC_FN U32x4 load16(const void* p) { return *static_cast<const U32x4*>(p); }
 SC_FN void zero16(void* p) { *static_cast<U32x4*>(p) = U32x4{0u, 0u, 0u, 0u}; }
 
-// ---- FP4 -> e4m3 expansion ---------------------------------------------------------------------
-// The e4m3 codes of the eight E2M1 magnitudes times 2^t (t <= 6), as a byte-permute table (lo: m = 0..3).
-// A zero-exponent block (scale 0) gets the all-zero table.
-SC_FN void e2m1_table(int e, int emax, uint32_t& lo, uint32_t& hi) {
-  const int t = imax(kFoldShift - (emax - e), -40);
-  const float s = e == 0 ? 0.f : dsq::u2f(static_cast<uint32_t>(t + 127) << 23);
-  constexpr dsq::Fp8Flavour fn = dsq::Fp8Flavour::e4m3fn;
-  lo = dsq::fp8_encode2(0.f, 0.5f * s, fn) | (static_cast<uint32_t>(dsq::fp8_encode2(s, 1.5f * s, fn)) << 16);
-  hi = dsq::fp8_encode2(2.f * s, 3.f * s, fn) | (static_cast<uint32_t>(dsq::fp8_encode2(4.f * s, 6.f * s, fn)) << 16);
-}
-// Eight packed E2M1 codes (SPEC §1: element 2i in the low nibble of byte i) -> eight e4m3 bytes:
-// x = elements 0..3, y = elements 4..7. The magnitudes come from the table (byte_perm on the low three bits of
-// each nibble); each nibble's sign bit (bit 3) is moved to bit 7 of its byte by one more byte_perm that picks
-// the byte of w << 4 (even nibbles) or of w (odd nibbles).
+// ---- FP4 -> e4m3 expansion (dsaquant/fp4_fold.h) ------------------------------------------------
 SC_FN U32x2 expand8(uint32_t w, uint32_t lo, uint32_t hi) {
-  const uint32_t u = w << 4;
   U32x2 r;
-  r.x = byte_perm(lo, hi, w & 0x7777u) | (byte_perm(u, w, 0x5140u) & 0x80808080u);
-  r.y = byte_perm(lo, hi, (w >> 16) & 0x7777u) | (byte_perm(u, w, 0x7362u) & 0x80808080u);
+  dsq::fold_expand8(w, lo, hi, r.x, r.y);
   return r;
 }
 // The magnitude table of exponent distance d = emax - e (fp4 rows fold their block exponents relative
-// to the row's largest): the eight E2M1 magnitudes times 2^(6 - d), i.e. e2m1_table of a block d binades
+// to the row's largest): the eight E2M1 magnitudes times 2^(6 - d), i.e. dsq::fold_table of a block d binades
 // below its row's largest; d = 32 is a zero-scale block.
 SC_FN void fp4_table(int d, uint32_t& lo, uint32_t& hi) {
   if (d >= 32) {
     lo = hi = 0;
   } else {
-    e2m1_table(1, 1 + d, lo, hi);
+    dsq::fold_table(1, 1 + d, lo, hi);
   }
 }
 // The table entry of a block with exponent e in a row whose largest exponent is emax.
@@ -182,18 +165,6 @@ SC_FN int raw_chunk(int m, int j) { return m * 64 + j * 16; }
 // The FP4 product order: element 32 j + 8 s + 4 h + c of a folded row (block j, word s, c < 4) goes to k = 32 s
 // + 16 h + 4 j + c, the k that lane j of a quad holds in its A fragments of step s (mma_rs) when it expands
 // block j; q rows are stored in the same order.
-// The scale a row keeps after folding: 2^(emax - 127 - kFoldShift) from bits; 0 for an all-zero-scale
-// row, NaN when a block has the NaN scale 255 (SPEC §3).
-SC_FN float fold_scale(int emax) {
-  if (emax == 255) return dsq::u2f(0x7FC00000u);
-  if (emax == 0) return 0.f;
-  const int e = emax - kFoldShift;
-  return e >= 1 ? dsq::u2f(static_cast<uint32_t>(e) << 23) : dsq::u2f(1u << (e + 22));
-}
-SC_FN int max4(uint32_t e) {
-  return imax(imax(static_cast<int>(e & 255), static_cast<int>((e >> 8) & 255)),
-              imax(static_cast<int>((e >> 16) & 255), static_cast<int>(e >> 24)));
-}
 // 16 bytes into chunk c of swizzled 128-byte row `row` of shared memory.
 SC_FN void store_chunk(uint8_t* tile, int row, int c, U32x4 v) {
   *reinterpret_cast<U32x4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v;
@@ -202,12 +173,12 @@ SC_FN void store_chunk(uint8_t* tile, int row, int c, U32x4 v) {
 // row in the FP4 product order: 16-byte chunk 2 s + h holds elements 8 s + 4 h + 0..3 of blocks 0..3.
 // Returns the row's scale.
 SC_FN float expand_q_row(const U32x4 (&raw)[4], uint32_t e, uint8_t* tile, int row) {
-  const int emax = max4(e);
+  const int emax = dsq::fold_emax(e);
   U32x2 p[4][4];   // [block][word]
   DSQ_UNROLL
   for (int j = 0; j < 4; ++j) {
     uint32_t lo, hi;
-    e2m1_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
+    dsq::fold_table(static_cast<int>((e >> (8 * j)) & 255), emax, lo, hi);
     p[j][0] = expand8(raw[j].x, lo, hi);
     p[j][1] = expand8(raw[j].y, lo, hi);
     p[j][2] = expand8(raw[j].z, lo, hi);
@@ -218,7 +189,7 @@ SC_FN float expand_q_row(const U32x4 (&raw)[4], uint32_t e, uint8_t* tile, int r
     store_chunk(tile, row, 2 * w, U32x4{p[0][w].x, p[1][w].x, p[2][w].x, p[3][w].x});
     store_chunk(tile, row, 2 * w + 1, U32x4{p[0][w].y, p[1][w].y, p[2][w].y, p[3][w].y});
   }
-  return fold_scale(emax);
+  return dsq::fold_scale(emax);
 }
 
 struct Geometry {
@@ -531,8 +502,8 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
           e = region[sf] | (region[P + sf] << 8) | (region[2 * P + sf] << 16) |
               (static_cast<uint32_t>(region[3 * P + sf]) << 24);
         }
-        const int emax = max4(e);
-        rscale[PB][hr] = fold_scale(emax);
+        const int emax = dsq::fold_emax(e);
+        rscale[PB][hr] = dsq::fold_scale(emax);
         const U32x2 tab = slut[lut_index(static_cast<int>((e >> (8 * tq)) & 255), emax)];
         const U32x4 w = load16(raw + raw_chunk(m, tq));   // block tq of row m
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};

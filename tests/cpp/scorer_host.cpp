@@ -23,12 +23,6 @@ inline bool any_sync(bool p) {
   return v != 0;
 }
 inline void flag_or(int32_t* p, int v) { *p |= v; }
-inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
-  const uint64_t both = (static_cast<uint64_t>(y) << 32) | x;
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((both >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-  return r;
-}
 }  // namespace dsqsc
 
 #include "scorer_body.cuh"

@@ -14,10 +14,11 @@ from ..codes import DType
 TILE = 64                    # DSQ_PREFILL_TILE
 HEADS = (16, 32, 64, 128)
 ERR_NOT_SUPPORTED = 801      # cudaErrorNotSupported
+SECOND_PASS_ROW_BLOCKS = 8   # blocks of query rows a program of the FP4 second pass
 
 
 class DsqMqaLogitsArgs(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_void_p) for n in ("q", "k", "k_scale", "weights", "lo", "hi", "base", "row_fold",
+    _fields_ = [(n, ctypes.c_void_p) for n in ("q", "k", "k_scale", "weights", "lo", "hi", "base", "q_scale",
                                                 "out")] + \
                [(n, ctypes.c_int64) for n in ("S", "SKV", "H", "W", "ld", "w_row", "w_head")] + \
                [(n, ctypes.c_int32) for n in ("w_dtype", "out_dtype", "clean", "compressed", "device", "splits")]
@@ -25,26 +26,28 @@ class DsqMqaLogitsArgs(ctypes.Structure):
 
 def supported(q, k, k_scale, weights, out, layout, fp8_flavour, exact) -> bool:
     """Whether the CUDA kernel takes the call (else the Triton kernel does): the FP8 layout with e4m3fn codes
-    (16-byte aligned q, k and contiguous k_scale), or the FP4 fast mode (folded by the pre-passes); H in HEADS,
-    fp32 or bf16 weights whose heads are contiguous, the output's last dim contiguous."""
+    (16-byte aligned q, k and contiguous k_scale), or the FP4 fast mode (16-byte aligned q, folded by the kernel;
+    the keys by a pre-pass); H in HEADS, fp32 or bf16 weights whose heads are contiguous, the output's last dim
+    contiguous."""
     if layout == "fp8":
         ok = (fp8_flavour in (None, "e4m3fn") and all(t.data_ptr() % 16 == 0 for t in (q, k, k_scale))
               and k_scale.is_contiguous())
     else:
-        ok = layout == "fp4" and not exact
+        ok = layout == "fp4" and not exact and q.data_ptr() % 16 == 0
     return (ok and q.shape[1] in HEADS and weights.dtype in (torch.float32, torch.bfloat16)
             and weights.stride(1) == 1 and out.dtype in (torch.float32, torch.bfloat16)
             and (out.shape[0] == 0 or out.stride(-1) == 1))
 
 
 def make_args(q, k, k_scale, weights, lo, hi, base, out, clean_logits, compressed, splits=0,
-              row_fold=None) -> DsqMqaLogitsArgs:
+              q_scale=None) -> DsqMqaLogitsArgs:
     """DsqMqaLogitsArgs for one call (the op's validated tensors: q [S, H, 128] and k [SKV, 128] e4m3 codes,
-    k_scale fp32 [SKV], weights [S, H], lo / hi / base int32 [S], out [S, W]; row_fold: int32 [S] in fold mode)."""
+    k_scale fp32 [SKV], weights [S, H], lo / hi / base int32 [S], out [S, W]; FP4 fold mode: q packed E2M1
+    uint8 [S, H, 64], q_scale its exponent words int32 [S * H], k and k_scale the folded keys)."""
     dev = q.device
     return DsqMqaLogitsArgs(
         q=q.data_ptr(), k=k.data_ptr(), k_scale=k_scale.data_ptr(), weights=weights.data_ptr(), lo=lo.data_ptr(),
-        hi=hi.data_ptr(), base=base.data_ptr(), row_fold=None if row_fold is None else row_fold.data_ptr(),
+        hi=hi.data_ptr(), base=base.data_ptr(), q_scale=None if q_scale is None else q_scale.data_ptr(),
         out=out.data_ptr(), S=q.shape[0], SKV=k.shape[0], H=q.shape[1],
         W=out.shape[1], ld=out.stride(0) if out.shape[0] else out.shape[1], w_row=weights.stride(0),
         w_head=weights.stride(1), w_dtype=int(DType.bf16 if weights.dtype == torch.bfloat16 else DType.f32),
@@ -56,10 +59,10 @@ def make_args(q, k, k_scale, weights, lo, hi, base, out, clean_logits, compresse
 
 def run(lib, stream: int, q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, clean_logits, compressed) -> int:
     """One mqa_logits call on `lib` (a call `supported` takes; the Triton backend's positional arguments): FP8
-    directly; FP4 folded into e4m3 (docs/prefill.md): the Triton pre-passes fold the keys and the query rows,
-    the CUDA kernel writes the entries whose key and row fold, then Triton's second pass the others. Returns the
-    library's code (0: `out` written; otherwise nothing was launched but the -inf fill of a clean compressed
-    output and the FP4 pre-passes)."""
+    directly; FP4 folded into e4m3 (docs/prefill.md): a Triton pre-pass folds the keys, the CUDA kernel folds the
+    query rows as it loads them and writes the entries whose key and query fold, then Triton's second pass the
+    others. Returns the library's code (0: `out` written; otherwise nothing was launched but the -inf fill of a
+    clean compressed output and the FP4 pre-pass)."""
     if out.shape[0] == 0 or out.shape[1] == 0 or k.shape[0] == 0:
         from ..triton.prefill import mqa_logits as triton_mqa_logits   # the trivial cases, as Triton does them
         triton_mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, None, False, clean_logits,
@@ -74,12 +77,15 @@ def run(lib, stream: int, q, q_scale, k, k_scale, weights, lo, hi, base, out, la
     S, H, SKV = q.shape[0], q.shape[1], k.shape[0]
     kf = k_scale.contiguous().view(torch.int32).reshape(SKV)
     keys = triton_prefill.fold_keys(k, kf, triton_prefill.fold_block(S, SKV, H, q.device))
-    q8, wf, rf = triton_prefill.fold_queries(q, q_scale, weights)
-    rc = call(lib, make_args(q8.view(torch.uint8), keys[0].view(torch.uint8), keys[1], wf, lo, hi, base, out,
-                             clean_logits, compressed, row_fold=rf), stream)
-    if rc == 0:   # the entries whose key or row does not fold
+    qs = q_scale.contiguous().view(torch.int32).reshape(S * H)
+    rc = call(lib, make_args(q, keys[0].view(torch.uint8), keys[1], weights, lo, hi, base, out, clean_logits,
+                             compressed, q_scale=qs), stream)
+    if rc == 0:   # the entries whose key or row does not fold: programs of all the key tiles and several blocks
+        #           of rows (usually every key and row folds, and each block only reads its rows' exponents and
+        #           weights: the pass is then bound by its programs' launches)
         triton_prefill.mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, None, False,
-                                  clean_logits, compressed, fp4_dot="fp8", folded_keys=keys)
+                                  clean_logits, compressed, fp4_dot="fp8", folded_keys=keys,
+                                  tiles_per_prog=-(-SKV // keys.block), row_blocks=SECOND_PASS_ROW_BLOCKS)
     return rc
 
 

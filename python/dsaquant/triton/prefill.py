@@ -19,7 +19,8 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     FOLD_PASS 2 the bf16 dots of the others (values decoded exactly: SPEC §1 values times a power of two, split
     into the even and odd elements, two dots with K = 64; a program loads and decodes its query rows only when
     one of its rows or of the keys does not fold, so where everything folds the pass costs its launch). Other
-    devices: the bf16 dots, one launch. The cuda backend runs its own kernel as pass 1 (fold_keys, fold_queries: the pre-passes it needs).
+    devices: the bf16 dots, one launch. The cuda backend runs its own kernel as pass 1 (after fold_keys; it folds
+    the query rows itself).
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
@@ -183,25 +184,6 @@ def _fold_query_rows(qp, qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _fp4_queries_e4m3_kernel(q_ptr, qs_ptr, w_ptr, q8_ptr, wf_ptr, rf_ptr, S, stride_w, H: tl.constexpr):
-    """FP4 query rows -> for the CUDA kernel: e4m3 rows [S, H, 128] (folded values, element order), the weights
-    times the rows' scales fp32 [S, H], and int32 [S]: the query row folds (_fold_query_rows). Program i: row i."""
-    i = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, H)
-    col = tl.arange(0, 64)
-    r_ok = h >= 0
-    qrow = i * H + h
-    qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :])
-    qword = tl.load(qs_ptr + qrow)
-    w = tl.load(w_ptr + i * stride_w + h).to(tl.float32)
-    q8, w_fold, rfold = _fold_query_rows(qp, qword, w, r_ok, 1, H)
-    d = tl.arange(0, 128)
-    tl.store(q8_ptr + qrow[:, None] * 128 + d[None, :], q8)
-    tl.store(wf_ptr + qrow, w_fold)
-    tl.store(rf_ptr + i + tl.arange(0, 1), rfold)
-
-
-@triton.jit
 def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV, BLOCK: tl.constexpr):
     """FP4 keys -> e4m3 rows [SKV, 128] (the folded values, element order) and fp32 scales [SKV] (the row's
     _fold_scale; -1 where the key does not fold); per tile of BLOCK keys (the logits kernel's) kt = 1 where all
@@ -249,11 +231,29 @@ def _mqa_logits_kernel(
     H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
     FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, FILL: tl.constexpr, OUT_KIND: tl.constexpr,
+    STATIC_TILES: tl.constexpr, FOLD_PASS: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+):
+    """Program (p, sp): the blocks of BQ query rows p * ROW_BLOCKS .. p * ROW_BLOCKS + ROW_BLOCKS - 1, each against
+    split sp of the key tiles (_mqa_logits_rows). Several blocks a program serve the FP4 second pass of the cuda
+    backend, whose programs usually find nothing to do: fewer, longer programs."""
+    for rb in range(ROW_BLOCKS):
+        _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr, k8_ptr,
+                         ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
+                         tiles_per_prog, stride_w, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
+                         DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES, FOLD_PASS)
+
+
+@triton.jit
+def _mqa_logits_rows(
+    qb, sp, q_ptr, qs_ptr, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr,
+    S, SKV, W, tiles_per_prog, stride_w, stride_out,
+    H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
+    FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, FILL: tl.constexpr, OUT_KIND: tl.constexpr,
     STATIC_TILES: tl.constexpr, FOLD_PASS: tl.constexpr,
 ):
+    """Query rows qb * BQ .. qb * BQ + BQ - 1 against split sp of the key tiles."""
     R: tl.constexpr = BQ * H
-    qb = tl.program_id(0)
-    sp = tl.program_id(1)
     i0 = qb * BQ
     # ---- the rows of this program and the union of their key ranges -----------------------------
     rows = i0 + tl.arange(0, BQ)
@@ -545,13 +545,14 @@ def default_config(S: int, SKV: int, H: int, layout_id: int, device: torch.devic
 
 def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_flavour, exact, clean_logits,
                compressed, *, fp8_dot=None, fp4_dot=None, block_q=None, block_kv=None, tiles_per_prog=None,
-               num_warps=None, num_stages=None, int_dot=None, folded_keys=None):
+               num_warps=None, num_stages=None, int_dot=None, folded_keys=None, row_blocks=None):
     """The Triton backend of dsaquant.mqa_logits (the reference's positional arguments; validated by the op).
     Keyword-only tuning knobs: fp8_dot (None: native where available), fp4_dot (FP4 fast mode: "fp8" rescales
     foldable tiles into e4m3 for the fp8 dot, "bf16" always dequantizes to bf16; None: "fp8" where the device
     has a native e4m3fn dot), block_q, block_kv, tiles_per_prog, num_warps, num_stages, int_dot (exact mode:
     int8 dot; default on a GPU). folded_keys (FP4 folded, fold_keys' result): another kernel has written the
-    first pass's entries (the cuda backend); only the second pass runs, on these keys."""
+    first pass's entries (the cuda backend); only the second pass runs, on these keys. row_blocks: blocks of
+    query rows a program (default 1)."""
     S, H = q.shape[0], q.shape[1]
     SKV, W = k.shape[0], out.shape[1]
     dev = q.device
@@ -593,7 +594,8 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
         if folded_keys is not None and folded_keys.block != bkv:
             raise ValueError(f"folded_keys: tiles of {folded_keys.block} keys, this launch's are {bkv}")
         k8, ksc, kt, kall = folded_keys or fold_keys(k, kf, bkv)
-    grid = (_cdiv(S, bq), _cdiv(num_tiles, tpp))
+    row_blocks = max(1, int(row_blocks or 1))
+    grid = (_cdiv(_cdiv(S, bq), row_blocks), _cdiv(num_tiles, tpp))
     out_kind = 1 if out.dtype == torch.bfloat16 else 0
     # FP4 folded: pass 1 (the fp8 kernel's shape) writes the entries that fold and the fills, pass 2 the others
     passes = ((1, cfg["num_warps"], cfg["num_stages"]), (2,) + FOLD_FALLBACK_LAUNCH) if fp4_fp8 else \
@@ -608,7 +610,7 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
             H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp,
             DOT_INT=dot_int, IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
             FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind, STATIC_TILES=tpp if interp else 0,
-            FOLD_PASS=fold_pass, num_warps=warps, num_stages=stages,
+            FOLD_PASS=fold_pass, ROW_BLOCKS=row_blocks, num_warps=warps, num_stages=stages,
             enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
     return out
 
@@ -635,20 +637,6 @@ def fold_keys(k, kf, block: int) -> FoldedKeys:
     kall = torch.ones((1,), dtype=torch.int32, device=dev)
     _fp4_keys_e4m3_kernel[(tiles,)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=block, num_warps=4)
     return FoldedKeys(k8, ksc, kt, kall, block)
-
-
-def fold_queries(q, q_scale, weights):
-    """FP4 query rows (uint8 [S, H, 64], exponents as for mqa_logits, weights [S, H]) folded into e4m3 for the cuda
-    backend: (q8 e4m3 [S, H, 128], the weights times the rows' scales fp32 [S, H], int32 [S]: the row folds)."""
-    S, H = q.shape[0], q.shape[1]
-    dev = q.device
-    q8 = torch.empty((S, H, 128), dtype=torch.float8_e4m3fn, device=dev)
-    wf = torch.empty((S, H), dtype=torch.float32, device=dev)
-    rf = torch.empty((S,), dtype=torch.int32, device=dev)
-    if S:
-        qs = q_scale.contiguous().view(torch.int32).reshape(S * H)
-        _fp4_queries_e4m3_kernel[(S,)](q, qs, weights, q8, wf, rf, S, weights.stride(0), H=H, num_warps=4)
-    return q8, wf, rf
 
 
 def fold_block(S: int, SKV: int, H: int, device) -> int:
@@ -800,7 +788,7 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     cx = dict(H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=bool(fp8_native and fp8), FNUZ=bool(fnuz and fp8),
               DOT_F32=False, DOT_INT=bool(int_dot), IMPRECISE=32, CLEAN=bool(clean), COMPRESSED=bool(compressed),
               FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0,
-              FOLD_PASS=fold_pass if fold else 0)
+              FOLD_PASS=fold_pass if fold else 0, ROW_BLOCKS=1)
     names = list(sig)
     sig.update({k: "constexpr" for k in cx})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
@@ -810,19 +798,14 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     return triton.compile(src, target=target, options=opts)
 
 
-def aot_compile_fold(target, H: int = 64):
-    """Compile the FP4 pre-passes (keys, query rows) into e4m3 for a GPUTarget without a GPU. Returns both
-    CompiledKernels."""
+def aot_compile_fold(target):
+    """Compile the FP4 keys' pre-pass into e4m3 for a GPUTarget without a GPU. Returns the CompiledKernel."""
     from triton.compiler import ASTSource
     sig = {"k_ptr": "*u8", "kf_ptr": "*i32", "k8_ptr": "*fp8e4nv", "ksc_ptr": "*fp32", "kt_ptr": "*i32",
            "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     keys = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128}, attrs=attrs)
-    sig = {"q_ptr": "*u8", "qs_ptr": "*i32", "w_ptr": "*fp32", "q8_ptr": "*fp8e4nv", "wf_ptr": "*fp32", "rf_ptr": "*i32",
-           "S": "i32", "stride_w": "i32", "H": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    rows = ASTSource(fn=_fp4_queries_e4m3_kernel, signature=sig, constexprs={"H": H}, attrs=attrs)
-    return [triton.compile(src, target=target, options=dict(num_warps=4)) for src in (keys, rows)]
+    return triton.compile(keys, target=target, options=dict(num_warps=4))
 
 
 def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
