@@ -63,14 +63,7 @@ namespace dsqv4 {
 // The address in block r's CompressSmem of the object at p in the caller's (an error outside the caller's).
 template <class T>
 T* cluster_peer(T* p, int r) {
-  const int me = emu::cluster_rank();
-  char* const c = reinterpret_cast<char*>(const_cast<std::remove_cv_t<T>*>(p));
-  char* const base = reinterpret_cast<char*>(g_cluster_smem);
-  constexpr ptrdiff_t stride = sizeof(CompressSmem);
-  if (r < 0 || r >= g_cluster_blocks || c < base + me * stride || c + sizeof(T) > base + (me + 1) * stride)
-    throw std::runtime_error("cluster_peer: block " + std::to_string(r) + " or an address outside the caller's "
-                             "shared memory");
-  return reinterpret_cast<T*>(c + (static_cast<ptrdiff_t>(r) - me) * stride);
+  return emu::cluster_peer_at(p, r, reinterpret_cast<char*>(g_cluster_smem), sizeof(CompressSmem), g_cluster_blocks);
 }
 }  // namespace dsqv4
 

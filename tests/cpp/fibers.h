@@ -13,6 +13,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -108,6 +109,19 @@ inline void cluster_barrier() {
   if (*gen == my) yield_until_changed(gen);
 }
 inline int cluster_rank() { return current()->cur / current()->rank_size; }
+
+// Distributed shared memory: the cluster's blocks keep their shared memories as `blocks` objects of `stride` bytes
+// from `base`; the address in block r's of the object at p in the caller's (an error for another block's address
+// or a rank outside the cluster).
+template <class T>
+T* cluster_peer_at(T* p, int r, char* base, ptrdiff_t stride, int blocks) {
+  const int me = cluster_rank();
+  char* const c = reinterpret_cast<char*>(const_cast<std::remove_cv_t<T>*>(p));
+  if (r < 0 || r >= blocks || c < base + me * stride || c + sizeof(T) > base + (me + 1) * stride)
+    throw std::runtime_error("cluster_peer: block " + std::to_string(r) + " or an address outside the caller's "
+                             "shared memory");
+  return reinterpret_cast<T*>(c + (static_cast<ptrdiff_t>(r) - me) * stride);
+}
 
 inline void warp_barrier(int w) {
   Block* g = current();

@@ -57,13 +57,7 @@ inline int cluster_blocks = 0;
 // The address in block r's shared memory of the object at p in the caller's.
 template <class T>
 T* cluster_peer(T* p, int r) {
-  const int me = emu::cluster_rank();
-  char* const c = reinterpret_cast<char*>(const_cast<std::remove_cv_t<T>*>(p));
-  if (r < 0 || r >= cluster_blocks || c < cluster_base + me * cluster_stride ||
-      c + sizeof(T) > cluster_base + (me + 1) * cluster_stride)
-    throw std::runtime_error("cluster_peer: block " + std::to_string(r) + " or an address outside the caller's "
-                             "shared memory");
-  return reinterpret_cast<T*>(c + (static_cast<ptrdiff_t>(r) - me) * static_cast<ptrdiff_t>(cluster_stride));
+  return emu::cluster_peer_at(p, r, cluster_base, static_cast<ptrdiff_t>(cluster_stride), cluster_blocks);
 }
 }  // namespace dsqtopk
 

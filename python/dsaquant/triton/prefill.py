@@ -184,12 +184,13 @@ def _fold_query_rows(qp, qword, w_col, r_ok, BQ: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV, BLOCK: tl.constexpr):
+def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV, BLOCK: tl.constexpr,
+                          SUB: tl.constexpr):
     """FP4 keys -> e4m3 rows [SKV, 128] (the folded values, element order) and fp32 scales [SKV] (the row's
-    _fold_scale; -1 where the key does not fold); per tile of BLOCK keys (the logits kernel's) kt = 1 where all
-    its keys fold (else its logits take the bf16 dots); kall (int32, 1 before the launch) is cleared where a
-    key does not fold."""
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _fold_scale; -1 where the key does not fold). Program p: keys p * SUB .. p * SUB + SUB - 1 (SUB divides BLOCK,
+    the logits kernel's tile). kt (int32 per tile of BLOCK keys) and kall (int32) are 1 before the launch; a
+    program with a key that does not fold clears its tile's kt (its logits take the bf16 dots) and kall."""
+    j = tl.program_id(0) * SUB + tl.arange(0, SUB)
     j_ok = j < SKV
     krow = j.to(tl.int64)
     col = tl.arange(0, 64)
@@ -201,8 +202,8 @@ def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV,
     tl.store(k8_ptr + krow[:, None] * 128 + d[None, :], _fp4_fold_e4m3(kp, kword, emax, col), mask=j_ok[:, None])
     tl.store(ksc_ptr + krow, tl.where(ok, _fold_scale(emax), -1.0), mask=j_ok)
     all_ok = tl.min((ok | ~j_ok).to(tl.int32), axis=0)
-    tl.store(kt_ptr + tl.program_id(0), all_ok)
     if all_ok == 0:
+        tl.atomic_and(kt_ptr + (tl.program_id(0) * SUB) // BLOCK, 0)
         tl.atomic_and(kall_ptr, 0)
 
 
@@ -626,16 +627,20 @@ class FoldedKeys(tuple):
         return t
 
 
+FOLD_KEYS_SUB = 32   # keys a program of the keys' pre-pass (more programs than tiles: it is bound by latency)
+
+
 def fold_keys(k, kf, block: int) -> FoldedKeys:
     """FP4 keys (uint8 [SKV, 64], exponent words int32 [SKV]) folded into e4m3 (_fp4_keys_e4m3_kernel), with the
     flags of tiles of `block` keys."""
     SKV, dev = k.shape[0], k.device
     tiles = _cdiv(SKV, block)
+    sub = min(FOLD_KEYS_SUB, block)
     k8 = torch.empty((SKV, 128), dtype=torch.float8_e4m3fn, device=dev)
     ksc = torch.empty((SKV,), dtype=torch.float32, device=dev)
-    kt = torch.empty((tiles,), dtype=torch.int32, device=dev)
-    kall = torch.ones((1,), dtype=torch.int32, device=dev)
-    _fp4_keys_e4m3_kernel[(tiles,)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=block, num_warps=4)
+    flags = torch.ones((tiles + 1,), dtype=torch.int32, device=dev)   # kt, then kall: one fill
+    kt, kall = flags[:tiles], flags[tiles:]
+    _fp4_keys_e4m3_kernel[(_cdiv(SKV, sub),)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=block, SUB=sub, num_warps=2)
     return FoldedKeys(k8, ksc, kt, kall, block)
 
 
@@ -802,10 +807,11 @@ def aot_compile_fold(target):
     """Compile the FP4 keys' pre-pass into e4m3 for a GPUTarget without a GPU. Returns the CompiledKernel."""
     from triton.compiler import ASTSource
     sig = {"k_ptr": "*u8", "kf_ptr": "*i32", "k8_ptr": "*fp8e4nv", "ksc_ptr": "*fp32", "kt_ptr": "*i32",
-           "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    keys = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128}, attrs=attrs)
-    return triton.compile(keys, target=target, options=dict(num_warps=4))
+           "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr", "SUB": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    keys = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128, "SUB": FOLD_KEYS_SUB},
+                     attrs=attrs)
+    return triton.compile(keys, target=target, options=dict(num_warps=2))
 
 
 def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
