@@ -193,6 +193,8 @@ TRITON_CASES = {
     # spans up to the 14 binades that fold; one key whose block is 32 below (its tile falls back) and one query
     # row with a zero-scale block (its row block falls back)
     "fp4-fp8-fold-mixed": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, knobs=dict(fp4_dot="fp8")),
+    # every key folds, one query row does not (a zero-scale block): the second pass runs for that row alone
+    "fp4-fp8-fold-query": dict(layout="fp4", exp_lo=120, exp_hi=127, unfold_query=True, knobs=dict(fp4_dot="fp8")),
     "exact-full": dict(layout="fp4", exact=True),
     "exact-compressed-bf16": dict(layout="fp4", exact=True, W=24, bf16=True),
     "exact-mixed-exponents": dict(layout="fp4", exact=True, mixed=True),
@@ -233,6 +235,7 @@ def run_triton_case(c):
         a["k_scale"] = mixed_exponents(a["k"].shape[0], torch.Generator().manual_seed(12))
     if c.get("unfold"):
         a["k_scale"][37, 2] = 100
+    if c.get("unfold") or c.get("unfold_query"):
         a["q_scale"][3, 5, 0] = 0
     if c.get("int32"):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])

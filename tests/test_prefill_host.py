@@ -143,7 +143,8 @@ def test_fold_mode_leaves_the_other_entries(lib, W, bf16w):
     queries with a head that does not fold exactly (exponents 15 binades apart, a zero-scale block, outside [64,
     190], a weight whose product with the fold scale is subnormal) and of keys with a scale <= 0 are left untouched
     (another launch writes them); every other entry, -inf included, is the logit of the dequantized q rows against
-    the e4m3 keys times their scales. A query whose exponents span exactly 14 binades folds."""
+    the e4m3 keys times their scales. A query whose exponents span exactly 14 binades folds. fold_all is cleared
+    (and stays 1 where every query folds: test_fold_mode_all_queries_fold)."""
     S, H, SKV = 8, 32, 150
     a = make("fp4", S=S, H=H, SKV=SKV, seed=9)
     a8 = make("fp8", S=S, H=H, SKV=SKV, seed=9)
@@ -167,11 +168,13 @@ def test_fold_mode_leaves_the_other_entries(lib, W, bf16w):
     lo, hi = ks.clamp(0, SKV).to(torch.int32), ke.clamp(0, SKV).to(torch.int32)
     base = ks.clamp(-Wd, SKV).to(torch.int32) if W else lo
     words = qs.contiguous().view(torch.int32).reshape(S * H)
+    flag = torch.ones(1, dtype=torch.int32)
     args = prefill_abi.make_args(a["q"].contiguous(), a8["k"].view(torch.uint8).contiguous(), k_scale, w, lo, hi,
-                                 base, out, True, bool(W), 0, words)
+                                 base, out, True, bool(W), 0, words, flag)
     lib.dsq_emu_set_order(0, 7)
     lib.dsq_emu_set_slots(8)
     assert prefill_abi.call(lib, args, 0) == 0
+    assert int(flag) == 0, "fold_all: some queries do not fold"
 
     qv = _fp4_values(a["q"], qs)                                        # float64 [S, H, 128]
     kv = a8["k"].view(torch.float8_e4m3fn).to(torch.float64)
@@ -188,6 +191,26 @@ def test_fold_mode_leaves_the_other_entries(lib, W, bf16w):
     assert bool(left.any()) and bool((got[left] == fill).all()), "entries of queries or keys that do not fold"
     mag = expected_layout(mag, ks, ke, SKV, W).nan_to_num(0, 0, 0).clamp_min(0)
     check_close(torch.where(left, float("-inf"), got), torch.where(left, float("-inf"), want), mag)
+
+
+def test_fold_mode_all_queries_fold(lib):
+    """FP4 fold mode where every query row folds: fold_all keeps its 1 (the second pass then returns at once) and
+    every logit is written."""
+    S, H, SKV = 4, 16, 70
+    a = make("fp4", S=S, H=H, SKV=SKV, seed=4)
+    a8 = make("fp8", S=S, H=H, SKV=SKV, seed=4)
+    ks, ke = torch.tensor([0, 3, 10, 0]), torch.tensor([70, 50, 66, 1])
+    out = torch.full((S, SKV), UNTOUCHED)
+    lo, hi = ks.clamp(0, SKV).to(torch.int32), ke.clamp(0, SKV).to(torch.int32)
+    words = a["q_scale"].contiguous().view(torch.int32).reshape(S * H)
+    flag = torch.ones(1, dtype=torch.int32)
+    args = prefill_abi.make_args(a["q"].contiguous(), a8["k"].view(torch.uint8).contiguous(), a8["k_scale"],
+                                 a["weights"], lo, hi, lo, out, True, False, 0, words, flag)
+    lib.dsq_emu_set_order(0, 7)
+    lib.dsq_emu_set_slots(8)
+    assert prefill_abi.call(lib, args, 0) == 0
+    assert int(flag) == 1
+    assert not bool((out == UNTOUCHED).any())
 
 
 def test_nan_codes(lib):

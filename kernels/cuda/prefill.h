@@ -30,6 +30,7 @@ typedef struct DsqMqaLogitsArgs {
                                (i, j) is written only where every head of query row i folds exactly with a normal
                                or zero weight product, and k_scale[j] > 0 (another launch writes the others); -inf
                                and the fills as without it */
+  int32_t* fold_all;      /* FP4 fold mode: set to 0 when a query row of the call does not fold (else untouched) */
   void* out;              /* fp32 or bf16 [S, ld]; W columns */
   int64_t S, SKV, H, W, ld, w_row, w_head;
   int32_t w_dtype;        /* 0 fp32, 1 bf16 */

@@ -229,7 +229,10 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
         const float wf = w * dsq::fold_scale(emax), aw = fabsf(wf);
         const bool ok = dsq::fold_exact(e) && (w == 0.0f || (aw >= dsq::u2f(0x00800000u) && aw < dsq::u2f(0x7F800000u)));
         sw[r] = wf;
-        if (live_r && !ok) sfold[qi] = 0;
+        if (live_r && !ok) {
+          sfold[qi] = 0;
+          if (a.fold_all != nullptr) *a.fold_all = 0;
+        }
       }
     }
     block_sync();   // sw, sfold

@@ -19,7 +19,7 @@ SECOND_PASS_ROW_BLOCKS = 8   # blocks of query rows a program of the FP4 second 
 
 class DsqMqaLogitsArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("q", "k", "k_scale", "weights", "lo", "hi", "base", "q_scale",
-                                                "out")] + \
+                                                "fold_all", "out")] + \
                [(n, ctypes.c_int64) for n in ("S", "SKV", "H", "W", "ld", "w_row", "w_head")] + \
                [(n, ctypes.c_int32) for n in ("w_dtype", "out_dtype", "clean", "compressed", "device", "splits")]
 
@@ -40,14 +40,16 @@ def supported(q, k, k_scale, weights, out, layout, fp8_flavour, exact) -> bool:
 
 
 def make_args(q, k, k_scale, weights, lo, hi, base, out, clean_logits, compressed, splits=0,
-              q_scale=None) -> DsqMqaLogitsArgs:
+              q_scale=None, fold_all=None) -> DsqMqaLogitsArgs:
     """DsqMqaLogitsArgs for one call (the op's validated tensors: q [S, H, 128] and k [SKV, 128] e4m3 codes,
     k_scale fp32 [SKV], weights [S, H], lo / hi / base int32 [S], out [S, W]; FP4 fold mode: q packed E2M1
-    uint8 [S, H, 64], q_scale its exponent words int32 [S * H], k and k_scale the folded keys)."""
+    uint8 [S, H, 64], q_scale its exponent words int32 [S * H], k and k_scale the folded keys, fold_all int32 [1]
+    cleared when a query row does not fold)."""
     dev = q.device
     return DsqMqaLogitsArgs(
         q=q.data_ptr(), k=k.data_ptr(), k_scale=k_scale.data_ptr(), weights=weights.data_ptr(), lo=lo.data_ptr(),
         hi=hi.data_ptr(), base=base.data_ptr(), q_scale=None if q_scale is None else q_scale.data_ptr(),
+        fold_all=None if fold_all is None else fold_all.data_ptr(),
         out=out.data_ptr(), S=q.shape[0], SKV=k.shape[0], H=q.shape[1],
         W=out.shape[1], ld=out.stride(0) if out.shape[0] else out.shape[1], w_row=weights.stride(0),
         w_head=weights.stride(1), w_dtype=int(DType.bf16 if weights.dtype == torch.bfloat16 else DType.f32),
@@ -79,7 +81,7 @@ def run(lib, stream: int, q, q_scale, k, k_scale, weights, lo, hi, base, out, la
     keys = triton_prefill.fold_keys(k, kf, triton_prefill.fold_block(S, SKV, H, q.device))
     qs = q_scale.contiguous().view(torch.int32).reshape(S * H)
     rc = call(lib, make_args(q, keys[0].view(torch.uint8), keys[1], weights, lo, hi, base, out, clean_logits,
-                             compressed, q_scale=qs), stream)
+                             compressed, q_scale=qs, fold_all=keys[3][1:]), stream)
     if rc == 0:   # the entries whose key or row does not fold: programs of all the key tiles and several blocks
         #           of rows (usually every key and row folds, and each block only reads its rows' exponents and
         #           weights: the pass is then bound by its programs' launches)

@@ -237,11 +237,20 @@ def _mqa_logits_kernel(
     """Program (p, sp): the blocks of BQ query rows p * ROW_BLOCKS .. p * ROW_BLOCKS + ROW_BLOCKS - 1, each against
     split sp of the key tiles (_mqa_logits_rows). Several blocks a program serve the FP4 second pass of the cuda
     backend, whose programs usually find nothing to do: fewer, longer programs."""
-    for rb in range(ROW_BLOCKS):
-        _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr, k8_ptr,
-                         ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
-                         tiles_per_prog, stride_w, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
-                         DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES, FOLD_PASS)
+    if FOLD_PASS == 2:
+        # FP4 second pass: nothing to do where every key and every query row folds (kall_ptr[0], [1]), the usual case
+        if (tl.load(kall_ptr) == 0) | (tl.load(kall_ptr + 1) == 0):
+            for rb in range(ROW_BLOCKS):
+                _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr,
+                                 k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
+                                 tiles_per_prog, stride_w, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ,
+                                 DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES, FOLD_PASS)
+    else:
+        for rb in range(ROW_BLOCKS):
+            _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr,
+                             k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
+                             tiles_per_prog, stride_w, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32,
+                             DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES, FOLD_PASS)
 
 
 @triton.jit
@@ -303,6 +312,8 @@ def _mqa_logits_rows(
             q8, w_fold, rfold = _fold_query_rows(qp, qword, w_col, r_ok, BQ, H)
             qe1 = tl.min(rfold, axis=0)
             qT2 = tl.trans(q8)
+            if qe1 == 0:   # a query row of the call does not fold: the second pass has work
+                tl.atomic_and(kall_ptr + 1, 0)
         else:   # only which rows fold here: the bf16 operands are built below, by programs with entries to write
             q_emax, w_fold, rfold = _fold_rows(qword, w_col, r_ok, BQ, H)
             qe1 = tl.min(rfold, axis=0)
@@ -617,8 +628,9 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
 
 
 class FoldedKeys(tuple):
-    """fold_keys' result: (k8 e4m3 [SKV, 128], ksc fp32 [SKV], kt int32 [tiles], kall int32 [1]) and `block`, the
-    keys per tile of kt."""
+    """fold_keys' result: (k8 e4m3 [SKV, 128], ksc fp32 [SKV], kt int32 [tiles], kall int32 [2]) and `block`, the
+    keys per tile of kt. kall[0]: every key folds; kall[1]: every query row folds, 1 until the first pass (the
+    Triton kernel's, or the cuda backend's kernel) clears it."""
     block: int
 
     def __new__(cls, k8, ksc, kt, kall, block):
@@ -638,7 +650,7 @@ def fold_keys(k, kf, block: int) -> FoldedKeys:
     sub = min(FOLD_KEYS_SUB, block)
     k8 = torch.empty((SKV, 128), dtype=torch.float8_e4m3fn, device=dev)
     ksc = torch.empty((SKV,), dtype=torch.float32, device=dev)
-    flags = torch.ones((tiles + 1,), dtype=torch.int32, device=dev)   # kt, then kall: one fill
+    flags = torch.ones((tiles + 2,), dtype=torch.int32, device=dev)   # kt, then kall: one fill
     kt, kall = flags[:tiles], flags[tiles:]
     _fp4_keys_e4m3_kernel[(_cdiv(SKV, sub),)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=block, SUB=sub, num_warps=2)
     return FoldedKeys(k8, ksc, kt, kall, block)
