@@ -62,12 +62,13 @@ constexpr int kStages = DSQ_PREFILL_STAGES;
 static_assert(kStages >= 2, "DSQ_PREFILL_STAGES: at least 2");
 
 // Shared memory of a block, in bytes from a 1024-aligned base: the q rows, the key stages, the key scales; FP4
-// fold mode: the q rows' weights times their fold scales, and which of the block's queries fold.
+// fold mode: the q rows' weights times their fold scales, which rows and which of the block's queries fold.
 constexpr int kSmemQ = 0;
 constexpr int kSmemK = kRows * 128;
 constexpr int kSmemScale = kSmemK + kStages * kTile * 128;
 constexpr int kSmemW = kSmemScale + kStages * kTile * 4;
-constexpr int kSmemFold = kSmemW + kRows * 4;
+constexpr int kSmemRowOk = kSmemW + kRows * 4;
+constexpr int kSmemFold = kSmemRowOk + kRows * 4;
 constexpr int kSmemBytes = kSmemFold + 8 * 4;   // a flag for each of up to 8 queries (H = 16)
 
 struct alignas(16) Words4 {
@@ -175,6 +176,7 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   const uint8_t* const q = static_cast<const uint8_t*>(a.q);
   const bool fold = a.q_scale != nullptr;
   float* const sw = reinterpret_cast<float*>(smem + kSmemW);
+  int* const srow_ok = reinterpret_cast<int*>(smem + kSmemRowOk);
   int* const sfold = reinterpret_cast<int*>(smem + kSmemFold);
   if (!fold) {
     DSQ_UNROLL
@@ -194,10 +196,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   } else {
     // FP4 fold mode: item (row r, block j) expands the 32 codes of block j (16 bytes) into elements 32 j .. 32 j +
     // 31 of the e4m3 row (chunks 2 j and 2 j + 1); the first item of a row also keeps its weight times the fold
-    // scale and clears its query's flag when the row does not fold exactly or that product is not a normal number
-    // or zero (the rule of the Triton second pass, which scores those queries).
-    if (tid < NQ) sfold[tid] = 1;
-    block_sync();
+    // scale and whether the row folds exactly with that product a normal number or zero (the rule of the Triton
+    // second pass, which scores the queries with a row that does not).
     DSQ_UNROLL
     for (int u = 0; u < kRows * 4 / kThreads; ++u) {
       const int idx = tid + kThreads * u, r = idx >> 2, j = idx & 3, qi = r / H;
@@ -229,13 +229,17 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
         const float wf = w * dsq::fold_scale(emax), aw = fabsf(wf);
         const bool ok = dsq::fold_exact(e) && (w == 0.0f || (aw >= dsq::u2f(0x00800000u) && aw < dsq::u2f(0x7F800000u)));
         sw[r] = wf;
-        if (live_r && !ok) {
-          sfold[qi] = 0;
-          if (a.fold_all != nullptr) *a.fold_all = 0;
-        }
+        srow_ok[r] = !live_r || ok;
       }
     }
-    block_sync();   // sw, sfold
+    block_sync();   // sw, srow_ok
+    if (tid < NQ) {   // query tid folds: all its H rows do
+      int all = 1;
+      for (int h = 0; h < H; ++h) all &= srow_ok[tid * H + h];
+      sfold[tid] = all;
+      if (!all && a.fold_all != nullptr) *a.fold_all = 0;
+    }
+    block_sync();   // sfold
   }
   float wr[kRows / 4];   // column 8 c + 2 (lane % 4) + j at wr[2 c + j]
   DSQ_UNROLL
