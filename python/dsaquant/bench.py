@@ -260,10 +260,11 @@ def run(tokens=(1, 64, 1024, 8192, 32768), heads=64, backends=None, graph_calls=
     from .bench_topk import topk_rows
     rows += topk_rows(backends, bw, read_bw, log=log)
     scorer_rows, tc = [], {}
-    if scorer:
-        from . import bench_scorer
+    if scorer or prefill:   # the ceilings the scorer's and the prefill logits' rows compare with
         tc = tensor_core_ceilings()
         log("tensor-core ceilings (dense 8192^3 products): " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in tc.items()))
+    if scorer:
+        from . import bench_scorer
         scorer_rows = bench_scorer.run([b for b in backends if b != "reference"], bw, tc.get("fp8"), log=log,
                                        read_gb_s=read_bw)
     prefill_rows = []
