@@ -117,7 +117,8 @@ def check_close(got, want, mag, tol=1e-5):
     assert bool((err <= bound).all()), f"max error {float(err.max())}"
 
 
-RANGES = (torch.tensor([0, 3, -5, 40, 70, 9]), torch.tensor([10, 80, 20, 200, 50, 9]))   # empty, clamped, negative
+RANGES = (torch.tensor([0, 3, -5, 40, 70, 9], dtype=torch.int32),   # empty, clamped, negative; int32: the
+          torch.tensor([10, 80, 20, 200, 50, 9], dtype=torch.int32))  # backends clamp the bounds themselves
 
 
 # =====================================================================================================
@@ -185,6 +186,7 @@ TRITON_CASES = {
     "fp8-bf16": dict(layout="fp8", bf16=True),
     "fp8-native-dot": dict(layout="fp8", knobs=dict(fp8_dot=True)),
     "fp8-fnuz": dict(layout="fp8", fnuz=True),
+    "fp8-int32-extreme-bounds": dict(layout="fp8", extreme=True),   # bounds at the ends of int32, unclamped
     "fp4-full": dict(layout="fp4"),
     "fp4-compressed-int32-exps": dict(layout="fp4", W=24, int32=True),
     "fp4-H32": dict(layout="fp4", H=32),
@@ -241,6 +243,9 @@ def run_triton_case(c):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])
         a["k_scale"] = a["k_scale"].view(torch.int32).reshape(-1)
     ks, ke = RANGES
+    if c.get("extreme"):
+        ks, ke = ks.clone(), ke.clone()
+        ks[0], ke[0], ks[3], ke[3] = -(1 << 31), (1 << 31) - 1, 40, (1 << 31) - 1
     if c.get("S"):   # every row a different range, some empty, clamped or negative
         r = torch.arange(c["S"])
         ks, ke = r * 7 % 90 - 5, r * 13 % 110
@@ -405,6 +410,21 @@ def test_hostile_ranges_never_out_of_bounds():
     assert bool(torch.isneginf(got[1:]).all())           # empty, past the end, empty
     full = dsaquant.mqa_logits(ks=ks, ke=ke, **a)
     assert bool(torch.isfinite(full[0]).all()) and bool(torch.isneginf(full[1:]).all())
+
+
+def test_hostile_int32_bounds_and_strided_ones():
+    """int32 bounds reach the backends unclamped (each clamps them as it reads them): the extremes of int32 score
+    exactly the clamped ranges; strided int32 bounds and int64 ones are clamped by the op first, same result."""
+    a = make("fp8", S=4, SKV=10)
+    ks = torch.tensor([-(1 << 31), 9, 12, -3], dtype=torch.int32)
+    ke = torch.tensor([(1 << 31) - 1, 3, 20, 4], dtype=torch.int32)
+    got = dsaquant.mqa_logits(ks=ks, ke=ke, **a)
+    assert torch.equal(got, dsaquant.mqa_logits(ks=ks.to(torch.int64), ke=ke.to(torch.int64), **a))
+    strided = torch.stack([ks, ks], dim=1)[:, 0], torch.stack([ke, ke], dim=1)[:, 0]
+    assert not strided[0].is_contiguous()
+    assert torch.equal(got, dsaquant.mqa_logits(ks=strided[0], ke=strided[1], **a))
+    assert bool(torch.isfinite(got[0]).all()) and bool(torch.isneginf(got[1:3]).all())
+    assert bool(torch.isfinite(got[3, :4]).all()) and bool(torch.isneginf(got[3, 4:]).all())
 
 
 def test_nan_logits_and_empty_inputs():

@@ -42,21 +42,22 @@ def lib():
     return load()
 
 
-def run(lib, a, ks, ke, *, W=0, clean=True, bf16=False, splits=0, slots=8, order=0, row_fold=None):
-    """The emulated kernel's output for make() inputs `a` (as the op prepares a call), and the reference's."""
+def run(lib, a, ks, ke, *, W=0, clean=True, bf16=False, splits=0, slots=8, order=0, raw=False):
+    """The emulated kernel's output for make() inputs `a` (as the op prepares a call; raw: the int32 bounds as
+    they are, unclamped), and the reference's."""
     S, SKV = a["q"].shape[0], a["k"].shape[0]
     Wd = W or SKV
     dt = torch.bfloat16 if bf16 else torch.float32
     ref = torch.full((S, Wd), UNTOUCHED, dtype=dt)
     dsaquant.mqa_logits(ks=ks, ke=ke, layout="fp8", clean_logits=clean, out_dtype=dt, max_seqlen_k=W, out=ref,
                         backend="reference", **a)
-    lo = ks.to(torch.int64).clamp(0, SKV).to(torch.int32)
-    hi = ke.to(torch.int64).clamp(0, SKV).to(torch.int32)
+    lo = ks.to(torch.int32) if raw else ks.to(torch.int64).clamp(0, SKV).to(torch.int32)
+    hi = ke.to(torch.int32) if raw else ke.to(torch.int64).clamp(0, SKV).to(torch.int32)
     base = ks.to(torch.int64).clamp(-Wd, SKV).to(torch.int32) if W else torch.zeros(S, dtype=torch.int32)
     out = torch.full((S, Wd), float("-inf") if (W and clean) else UNTOUCHED, dtype=dt)
     q, k = a["q"].view(torch.uint8).contiguous(), a["k"].view(torch.uint8).contiguous()
     args = prefill_abi.make_args(q, k, a["k_scale"].contiguous(), a["weights"], lo, hi, base, out, clean, bool(W),
-                                 splits, row_fold)
+                                 splits)
     lib.dsq_emu_set_order(order, 7)
     lib.dsq_emu_set_slots(slots)
     rc = prefill_abi.call(lib, args, 0)
@@ -121,6 +122,17 @@ def test_long_split(lib, S, SKV):
     ke = torch.tensor([SKV, 1250, SKV - 5, SKV][:S])
     got, ref = run(lib, a, ks, ke, splits=1)
     compare(a, ks, ke, got, ref)
+
+
+@pytest.mark.parametrize("W", [0, 40])
+def test_unclamped_bounds(lib, W):
+    """Bounds outside [0, SKV], down to the extremes of int32, reach the kernel as they are (the op passes int32
+    bounds unclamped): it scores exactly the clamped ranges."""
+    a = make("fp8", S=4, H=64, SKV=400, seed=6)
+    ks = torch.tensor([-(1 << 31), -50, 300, 390], dtype=torch.int32)
+    ke = torch.tensor([(1 << 31) - 1, 130, 1000, 10], dtype=torch.int32)
+    got, ref = run(lib, a, ks, ke, W=W, raw=True)
+    compare(a, ks, ke, got, ref, W)
 
 
 @pytest.mark.parametrize("clean", [True, False])

@@ -21,7 +21,7 @@ typedef struct DsqMqaLogitsArgs {
   const void* k;          /* e4m3fn [SKV, 128], contiguous, 16-byte aligned */
   const float* k_scale;   /* fp32 [SKV], 16-byte aligned */
   const void* weights;    /* fp32 or bf16, element (i, h) at i * w_row + h * w_head */
-  const int32_t* lo;      /* [S]: row i scores the keys lo[i] <= j < hi[i] (0 <= lo, hi <= SKV; lo >= hi: none) */
+  const int32_t* lo;      /* [S]: row i scores the keys max(lo[i], 0) <= j < min(hi[i], SKV) (none where empty) */
   const int32_t* hi;      /* [S] */
   const int32_t* base;    /* [S]: compressed output: key j of row i goes to column j - base[i] if in [0, W) */
   const uint32_t* q_scale; /* NULL, or FP4 fold mode (docs/prefill.md): q packed E2M1 with these UE8M0 exponent

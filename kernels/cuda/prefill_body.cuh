@@ -78,6 +78,9 @@ struct alignas(16) Words4 {
 // Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows (the MMA's 128-byte swizzle).
 PF_FN int swizzled(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
+// A row's range bound clamped to [0, SKV] (prefill.h: the bounds may lie outside).
+PF_FN int clamp_key(int32_t v, int SKV) { return v < 0 ? 0 : (v > SKV ? SKV : v); }
+
 PF_FN float load_weight(const DsqMqaLogitsArgs& a, int64_t i, int h) {
   const int64_t off = i * a.w_row + h * a.w_head;
   if (a.w_dtype == dsq::kBF16) return dsq::bf16_to_f32(static_cast<const uint16_t*>(a.weights)[off]);
@@ -112,8 +115,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   DSQ_UNROLL
   for (int qi = 0; qi < NQ; ++qi) {
     live[qi] = i0 + qi < a.S;
-    lo[qi] = live[qi] ? a.lo[i0 + qi] : 0;
-    hi[qi] = live[qi] ? a.hi[i0 + qi] : 0;
+    lo[qi] = live[qi] ? clamp_key(a.lo[i0 + qi], SKV) : 0;
+    hi[qi] = live[qi] ? clamp_key(a.hi[i0 + qi], SKV) : 0;
     if (lo[qi] < hi[qi]) {
       lo_min = lo[qi] < lo_min ? lo[qi] : lo_min;
       hi_max = hi[qi] > hi_max ? hi[qi] : hi_max;
@@ -276,8 +279,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
     slot_key[i] = m0 + 8 * (c & 1);
     slot_row[i] = i0 + qi;
     slot_live[i] = i0 + qi < a.S && dsq_quad::quad_stores<V>(lane);
-    slot_lo[i] = slot_live[i] ? a.lo[i0 + qi] : 0;
-    slot_hi[i] = slot_live[i] ? a.hi[i0 + qi] : 0;
+    slot_lo[i] = slot_live[i] ? clamp_key(a.lo[i0 + qi], SKV) : 0;
+    slot_hi[i] = slot_live[i] ? clamp_key(a.hi[i0 + qi], SKV) : 0;
     slot_base[i] = slot_live[i] && a.compressed ? a.base[i0 + qi] : 0;
     slot_mine[i] = slot_live[i] && (!fold || sfold[qi] != 0);
   }

@@ -147,7 +147,10 @@ def mqa_logits(q, k, weights, ks, ke, *, layout="fp8", q_scale=None, k_scale=Non
     if out is None:
         out = torch.empty((S, W), dtype=out_dtype, device=dev)
     V.tensor("out", out, (out_dtype,), (S, W), dev, last_contiguous=True)
-    lo, hi = _ranges(ks, ke, SKV)
+    # contiguous int32 bounds go as they are (the backends clamp them to [0, SKV] as they read them: no launch);
+    # others are clamped here (int64 ones before they narrow to int32)
+    raw = all(t.dtype == torch.int32 and t.is_contiguous() for t in (ks, ke))
+    lo, hi = (ks, ke) if raw else _ranges(ks, ke, SKV)
     # base is read by the compressed output only (the backends' full output puts key j at column j)
     base = _clamp32(ks, -W, SKV) if compressed else lo
     if S == 0 or W == 0:

@@ -5,6 +5,8 @@ Shapes used below: S query rows, H heads, SKV keys, W output columns (SKV, or ma
 output is compressed). The op layer (dsaquant.prefill) has already validated the arguments and turned
 the hostile row ranges into three int32 [S] tensors:
   lo[i] = clamp(ks[i], 0, SKV), hi[i] = clamp(ke[i], 0, SKV)    key j is valid for row i iff lo <= j < hi
+(mqa_logits gets ks and ke themselves where they are int32, which saves the clamps' launches: its backends clamp
+lo and hi to [0, SKV] as they read them)
   base[i]                                                        column of key j is j - base[i]
 (base = ks clamped to [-W, SKV] for the compressed output, which keeps every column's key, j = ks + c, or keeps
 it invalid; mqa_logits reads base for the compressed output only, the full [S, SKV] output puts key j at column
@@ -128,7 +130,7 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     S, H = q.shape[0], q.shape[1]
     SKV, W = k.shape[0], out.shape[1]
     dev = q.device
-    lo64, hi64, base64 = lo.to(torch.int64), hi.to(torch.int64), base.to(torch.int64)
+    lo64, hi64, base64 = lo.to(torch.int64).clamp(0, SKV), hi.to(torch.int64).clamp(0, SKV), base.to(torch.int64)
     if compressed and clean_logits:
         out.fill_(float("-inf"))
     C = _chunk(S, H)

@@ -268,8 +268,8 @@ def _mqa_logits_rows(
     # ---- the rows of this program and the union of their key ranges -----------------------------
     rows = i0 + tl.arange(0, BQ)
     row_ok = rows < S
-    lo = tl.load(lo_ptr + rows, mask=row_ok, other=0)
-    hi = tl.load(hi_ptr + rows, mask=row_ok, other=0)
+    lo = tl.minimum(tl.maximum(tl.load(lo_ptr + rows, mask=row_ok, other=0), 0), SKV)   # bounds clamped here
+    hi = tl.minimum(tl.maximum(tl.load(hi_ptr + rows, mask=row_ok, other=0), 0), SKV)
     base = tl.load(base_ptr + rows, mask=row_ok, other=0)
     nonempty = lo < hi
     lo_min = tl.min(tl.where(nonempty, lo, SKV), axis=0)
