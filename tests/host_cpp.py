@@ -26,8 +26,9 @@ def cxx() -> str | None:
 def build(sources: list[Path], name: str, what: str, extra_flags: tuple[str, ...] = (), includes: tuple[str, ...] = (),
           filename: str | None = None) -> Path:
     """The shared library build/<name>/<hash>/<filename> (default lib<name>.so) of sources[0] (the others: what
-    it includes, for the hash, besides every shared header of src/include), compiled with CXXFLAGS + extra_flags and the include dirs src/include,
-    kernels/cuda and `includes`. Raises RuntimeError naming `what` when the compile fails."""
+    it includes, for the hash, besides every shared header of src/include), compiled with CXXFLAGS + extra_flags
+    and the include dirs src/include, kernels/cuda and `includes`. Raises RuntimeError naming `what` when the
+    compile fails."""
     compiler = cxx() or "g++"
     flags = [*CXXFLAGS, *extra_flags, f"-I{REPO / 'src/include'}", f"-I{REPO / 'kernels/cuda'}",
              *(f"-I{d}" for d in includes)]

@@ -230,7 +230,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
       if (j == 0) {
         const float w = live_r ? load_weight(a, i0 + qi, r % H) : 0.0f;
         const float wf = w * dsq::fold_scale(emax), aw = fabsf(wf);
-        const bool ok = dsq::fold_exact(e) && (w == 0.0f || (aw >= dsq::u2f(0x00800000u) && aw < dsq::u2f(0x7F800000u)));
+        const bool normal = aw >= dsq::u2f(0x00800000u) && aw < dsq::u2f(0x7F800000u);
+        const bool ok = dsq::fold_exact(e) && (w == 0.0f || normal);
         sw[r] = wf;
         srow_ok[r] = !live_r || ok;
       }

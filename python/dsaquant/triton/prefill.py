@@ -244,7 +244,8 @@ def _mqa_logits_kernel(
                 _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr,
                                  k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
                                  tiles_per_prog, stride_w, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ,
-                                 DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES, FOLD_PASS)
+                                 DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES,
+                                 FOLD_PASS)
     else:
         for rb in range(ROW_BLOCKS):
             _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr,
