@@ -228,8 +228,8 @@ def register_compiled(backend: str, lib) -> None:
 
 def _mqa_logits_over(lib):
     """The cuda backend's mqa_logits over kernels/cuda/prefill.cu's C ABI (backends/prefill_abi.py), on sm_90a:
-    the FP8 layout; and the FP4 fast mode folded into e4m3 (docs/prefill.md): the Triton pre-passes fold the keys
-    and the query rows, the CUDA kernel writes the entries whose key and row fold, Triton's second pass the
+    the FP8 layout; and the FP4 fast mode folded into e4m3 (docs/prefill.md): a Triton pre-pass folds the keys,
+    the CUDA kernel folds the query rows and writes the entries whose key and query fold, Triton's second pass the
     others. Every other call (exact FP4, e4m3fnuz codes, other devices, prefill_abi.supported) runs the Triton
     kernel, as does a call the library answers with cudaErrorNotSupported."""
     from . import prefill_abi
