@@ -23,14 +23,14 @@ for mode, H, T in (("fp8", 18, 4096), ("fp4", 48, 2048)):   # a warp per token (
     dq.indexer_qk_rope_quant_and_cache(**tt.make_indexer(T=T, H=H, mode=mode, device=dev), backend=backend)
 
 
-def v4_compress(ratio, mode, starts, lens, D=128, P=64):
+def v4_compress(ratio, mode, starts, lens, D=128, P=64, max_pos=4096):
     """SPEC §7.6 arguments: ragged sequences (a prefill from 0, a chunk, a decode token) over a ring of R = K + 2."""
     g = torch.Generator().manual_seed(ratio)
     K = 2 * ratio if ratio == 4 else ratio
     C, T, R = (2 * D if ratio == 4 else D), sum(lens), K + 2
     kv, score = (torch.randn(T, C, generator=g).to(dev, torch.bfloat16) for _ in range(2))
     ring_kv, ring_sc = (torch.randn(len(lens) + 1, R, C, generator=g).to(dev) for _ in range(2))
-    cos, sin, _ = tt.rope_tables(4096, dev)
+    cos, sin, _ = tt.rope_tables(max_pos, dev)
     NB = T // P + 2
     cache = tt.poisoned((NB, P * (68 if mode == "fp4" else 132)), torch.uint8, dev)
     out_slots = torch.randperm(NB * P, generator=g)[:T].to(dev)
@@ -46,6 +46,10 @@ def v4_compress(ratio, mode, starts, lens, D=128, P=64):
 # SPEC §7.6 compress_kv (ratio 4 with overlap into FP4 packed68, ratio 128 into FP8) and §7.7 rope_rotate_quant.
 dq.compress_kv(**v4_compress(4, "fp4", (0, 37, 9), (300, 5, 1)), backend=backend)
 dq.compress_kv(**v4_compress(128, "fp8", (0, 100), (300, 60)), preshuffle=True, backend=backend)
+# The launch shapes of large calls: one range a warp (>= 512 ranges of ratio 4), clusters of 4 blocks (>= 129
+# windows of ratio 128).
+dq.compress_kv(**v4_compress(4, "fp4", (0,), (2100,)), backend=backend)
+dq.compress_kv(**v4_compress(128, "fp4", (0,), (16640,), max_pos=16640), backend=backend)
 for T in (1, 37):
     x = torch.randn(T, 16, 128, device=dev, dtype=torch.bfloat16)
     cos, sin, _ = tt.rope_tables(4096, dev)

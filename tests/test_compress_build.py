@@ -27,11 +27,11 @@ TU = REPO / "kernels" / "cuda" / "compress.cu"
 # the output mode chosen at run time: -1) and the large-call instances (64 values a lane), one per output mode but
 # FP8 e4m3fnuz (0-2 FP4 threshold / rne / hardware, 3 FP8 e4m3fn, 5 bf16/fp16).
 ROTATE_INSTANCES = {128: (16, 64), 256: (16, 64), 512: (16, 64), 1024: (32, 64)}
-# compress_kv: <K, D, range mode> (0 one range a block; 1 one range a warp, for K <= 8 and D = 128; 2 the column
-# split in clusters, for K >= 128, sm_90 on).
+# compress_kv: <K, D, range mode> (0 one range a block; 1 one range a warp, for K <= 8 and D = 128; 2 and 3 the
+# column split in clusters of 4 and of 8 blocks, for K >= 128, sm_90 on).
 KERNELS = {f"compress_kv_kernel<{k}, {d}, 0>" for k in (4, 8, 128, 256) for d in (128, 512)} | \
           {f"compress_kv_kernel<{k}, 128, 1>" for k in (4, 8)} | \
-          {f"compress_kv_kernel<{k}, {d}, 2>" for k in (128, 256) for d in (128, 512)} | \
+          {f"compress_kv_kernel<{k}, {d}, {m}>" for k in (128, 256) for d in (128, 512) for m in (2, 3)} | \
           {f"rope_rotate_kernel<{d}, {s}, -1>" for d, (s, _) in ROTATE_INSTANCES.items()} | \
           {f"rope_rotate_kernel<{d}, {v}, {m}>" for d, (_, v) in ROTATE_INSTANCES.items() for m in (0, 1, 2, 3, 5)}
 

@@ -74,8 +74,9 @@ class Emulator:
 
     def set_compress_mode(self, force: int):
         """compress_kv's range mode: 0 the launcher's choice by call size (windows of K >= 128 rows in clusters of
-        blocks, as on sm_90), 1 one range a block (and one block a window), 2 one range a warp (K <= 8 and D = 128
-        only; other calls keep one range a block)."""
+        blocks, as on sm_90: 8 a cluster for calls of few windows, else 4), 1 one range a block (and one block a
+        window), 2 one range a warp (K <= 8 and D = 128 only; other calls keep one range a block), 3 clusters of 4
+        blocks whatever the call's size."""
         self.lib.cdll.dsq_emu_set_compress_mode(force)
 
     def set_rotate_v(self, v: int):
@@ -238,6 +239,13 @@ WINDOW_CASES = [n for n, c in COMPRESS.items() if c.get("ratio", 4) == 128]
 def test_compress_kv_one_block_a_window(ops, emu, name):
     """The same bytes with each window of K >= 128 rows pooled by one block (no cluster)."""
     _compare_in_mode(ops, emu, COMPRESS[name], 0, 1, name)
+
+
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_compress_kv_clusters_of_four(ops, emu, name):
+    """The same bytes with clusters of 4 blocks (the launcher's choice for calls of many windows; the small cases
+    here get clusters of 8 by default)."""
+    _compare_in_mode(ops, emu, COMPRESS[name], 0, 3, name)
 
 
 # The cases that the range mode `warp` (one range a warp) can run: K <= 8 and D = 128.

@@ -3,6 +3,8 @@ reference on the host, bit for bit, through the harness tests/cpp/header_host.cp
 
 - exp_ds over a strided sweep of every negative fp32 pattern down to -104 (and past it), plus all of them with
   DSAQUANT_EXHAUSTIVE=1 (about 1.1e9 values; minutes);
+- dsq::pool_exp (the pool's exp_ds for a finite window max) against exp_ds over the same sweeps (every pattern
+  with DSAQUANT_EXHAUSTIVE=1) and on random (sig, m) pairs;
 - dsq::pool_window<K> (K = 4, 8, 128, 256) against reference.compress.pool on random windows with excluded rows,
   NaN / +-Inf scores, all--Inf windows, tiny and huge magnitudes;
 - dsq::fp8_group_scale against reference.compress.fp8_group_quantize's scales.
@@ -65,6 +67,26 @@ def test_exp_ds_exhaustive(h, header_counts):
     for lo in range(0, top, chunk):
         x = _neg_patterns(lo, min(lo + chunk, top), 1)
         _check(header_counts, "exp_ds exhaustive [-104, 0]", h.exp_ds(x), arith.exp_ds(torch.from_numpy(x)))
+
+
+def test_pool_exp_is_exp_ds(h, header_counts):
+    """pool_exp(sig, m) = exp_ds(fl(sig - m)) wherever m is finite: x = fl(sig - m) over the strided sweeps of
+    [-104, -0] and below (-Inf included), as sig with m = 0, and random pairs of every magnitude."""
+    top = 0x42D00001
+    for x in (_neg_patterns(0, top, 127, 5), _neg_patterns(top, 0x7F800001, 4093),
+              np.array([0.0, -0.0, -np.inf, -200.0, -np.float32(200.00002), -1e-45], dtype=np.float32)):
+        _check(header_counts, "pool_exp sweep", h.pool_exp(x, np.zeros_like(x)), h.exp_ds(x))
+    rng = np.random.default_rng(SEED)
+    m = (rng.standard_normal(1 << 16) * 2.0 ** rng.integers(-20, 20, 1 << 16)).astype(np.float32)
+    sig = np.minimum(m - np.abs(rng.standard_normal(1 << 16) * 2.0 ** rng.integers(-20, 9, 1 << 16)), m)
+    sig = sig.astype(np.float32)
+    sig[::97] = -np.inf
+    want = arith.exp_ds(torch.from_numpy(sig) - torch.from_numpy(m))
+    _check(header_counts, "pool_exp pairs", h.pool_exp(sig, m), want)
+    if os.environ.get("DSAQUANT_EXHAUSTIVE") == "1":
+        for lo in range(0, 0x7F800001, 1 << 24):
+            x = _neg_patterns(lo, min(lo + (1 << 24), 0x7F800001), 1)
+            _check(header_counts, "pool_exp exhaustive", h.pool_exp(x, np.zeros_like(x)), h.exp_ds(x))
 
 
 # ---- SPEC §7.6 step 2 ---------------------------------------------------------------------------------------

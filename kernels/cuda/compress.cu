@@ -5,9 +5,9 @@
 //
 // compress_kv: one launch, 256 threads a block, grid = B sequence blocks + the token-range blocks (compress_args.h
 //   compress_grid: one range of `ratio` tokens a block, or 8 a block, one a warp, for calls of many ranges; for
-//   K >= 128 on sm_90 and later, a cluster of 4 blocks for each sequence and each range, splitting the columns);
-//   template <K, D, MODE> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}, MODE kRangeBlock,
-//   kRangeWarp for K <= 8 and D = 128, or kSplit); the ring ordering argument is in compress_body.cuh. Static
+//   K >= 128 on sm_90 and later, a cluster of 8 or 4 blocks for each sequence and each range, splitting the
+//   columns); template <K, D, MODE> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}, MODE kRangeBlock,
+//   kRangeWarp for K <= 8 and D = 128, or kSplit8 / kSplit4); the ring ordering argument is in compress_body.cuh. Static
 //   shared memory: CompressSmem (2 KB).
 // rope_rotate_quant: one launch, 128 threads a block, D/V lanes a (t, h) row (rotate_body.cuh); template <D, V, MODE>:
 //   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 64
@@ -71,12 +71,12 @@ namespace dsqv4 {
 // The second bound (CUDA: min resident blocks per SM; HIP: min waves per EU) is given so that ptxas does not pick an
 // occupancy-driven register target of its own, which spilled a few registers of some instantiations (sm_90a/100a).
 // Large windows keep 120-170 registers on sm_90a (a thread holds 8 window rows of sig and kv, compress_body.cuh Geo).
-// The column-split instances (MODE kSplit) exist in sm_90 code and later only: launch_split checks that the device
+// The column-split instances (MODE kSplit4, kSplit8) exist in sm_90 code and later only: launch_split checks that the device
 // runs such code (cluster.cuh runs_sm90_code) before it launches them in clusters.
 template <int K, int D, int MODE>
 __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(CompressArgs a) {
   __shared__ CompressSmem sm;
-  if constexpr (MODE == kSplit) {
+  if constexpr (kSplitOf<MODE> > 1) {
 #if defined(DSQ_V4_CLUSTERS) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     compress_block<K, D, MODE>(a, sm);
 #endif
@@ -123,19 +123,20 @@ int launch_rotate_d(const RotateArgs& a, cudaStream_t stream) {
 }
 
 #if defined(DSQ_V4_CLUSTERS)
-// Windows of K >= 128 rows in clusters of kCompressSplitBlocks blocks (compress_body.cuh kSplit). Returns -1 where the
-// device cannot run them (no sm_90 code, or the launch refused): the caller then takes one block a window.
-template <int K, int D>
+// Windows of K >= 128 rows in clusters of kSplitOf<MODE> blocks (compress_body.cuh kSplit4, kSplit8). Returns
+// -1 where the device cannot run them (no sm_90 code, or the launch refused): the caller then takes one block a window.
+template <int K, int D, int MODE>
 int launch_split(const CompressArgs& a, cudaStream_t stream) {
-  const auto kernel = compress_kv_kernel<K, D, kSplit>;
+  constexpr int S = kSplitOf<MODE>;
+  const auto kernel = compress_kv_kernel<K, D, MODE>;
   if (!dsqcl::runs_sm90_code<struct CompressSplit>(reinterpret_cast<const void*>(kernel))) return -1;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(compress_grid(a, false, true)));
+  cfg.gridDim = dim3(static_cast<unsigned>(compress_grid(a, false, S)));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCompressSplitBlocks;
+  attr[0].val.clusterDim.x = S;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
@@ -150,8 +151,12 @@ template <int K>
 int launch_compress_k(const CompressArgs& a, cudaStream_t stream) {
 #if defined(DSQ_V4_CLUSTERS)
   if constexpr (K >= 128) {
-    if (compress_split_windows(a) && compress_grid(a, false, true) <= INT32_MAX) {
-      const int rc = a.D == 128 ? launch_split<K, 128>(a, stream) : launch_split<K, 512>(a, stream);
+    const int S = compress_split_blocks(a);
+    if (compress_split_windows(a) && compress_grid(a, false, S) <= INT32_MAX) {
+      const int rc = S == 8 ? (a.D == 128 ? launch_split<K, 128, kSplit8>(a, stream)
+                                          : launch_split<K, 512, kSplit8>(a, stream))
+                            : (a.D == 128 ? launch_split<K, 128, kSplit4>(a, stream)
+                                          : launch_split<K, 512, kSplit4>(a, stream));
       if (rc == 0) return 0;
     }
   }

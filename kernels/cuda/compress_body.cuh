@@ -210,10 +210,14 @@ V4_FN void fp4_encode_lane(const float (&x)[V], const int (&ex)[Chunks<V>::kMax]
 // operations between threads), so the bytes do not depend on the range mode nor on the order of blocks.
 // =========================================================================================================
 
+#ifndef DSQ_COMPRESS_WARP_COLS
+#define DSQ_COMPRESS_WARP_COLS 4   // columns a trip of the warp pool's column loop (1, 2 or 4: one trip, unrolled)
+#endif
 // Window slices of a warp for K = 128 and 256 (build options): a thread holds K / (4 * slices) canonical partials of
 // 4 rows. Measured on an H100, ratio 128, T = 8192 (column split): 8 slices (16 rows a thread, about 200
 // registers, one block an SM) 35.9 µs, 16 slices (8 rows, about 125 registers, two blocks an SM, kv loaded with
-// sig) 27.2 µs, 32 slices (4 rows, every butterfly level across lanes) 34.9 µs.
+// sig) 27.2 µs, 32 slices (4 rows, every butterfly level across lanes) 34.9 µs; with the branch-free pool, 16 slices
+// 23.5 µs (clusters of 4) and 23.3 (of 8), 32 slices 32.9 and 35.2.
 #ifndef DSQ_COMPRESS_SLICES_128
 #define DSQ_COMPRESS_SLICES_128 16
 #endif
@@ -313,14 +317,15 @@ struct Win {
   int32_t slot;
   int64_t ring0;   // (s0 mod R) in [0, R)
 };
-template <int K>
+// RING false: a window that never reaches the ring (a range's), whose ring0 is not computed.
+template <int K, bool RING = true>
 V4_FN Win window_of(const CompressArgs& a, const Seq& q, int64_t i, int64_t p) {
   Win w;
   w.i = i;
   w.s0 = p - (K - 1);
   w.start = q.start;
   w.slot = q.slot;
-  w.ring0 = mod_floor(w.s0, a.R);
+  w.ring0 = RING ? mod_floor(w.s0, a.R) : 0;
   return w;
 }
 V4_FN int64_t ring_row(const CompressArgs& a, const Win& w, int k) {
@@ -378,7 +383,7 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
   constexpr int kR = G::kQ * 4;                // window rows per thread
   const int tid = thread_id(), warp = tid >> 5, lane = tid & 31;
   const int cl = lane % G::kCL, pl = lane / G::kCL;
-  const Win w = window_of<K>(a, q, i, p);
+  const Win w = window_of<K, RING>(a, q, i, p);
   const int64_t s0 = w.s0;                     // position of window row 0
   if constexpr (D > G::kCols) {
     if (c_hi - c_lo > G::kCols) prefetch_window<K, D>(a, w);
@@ -387,7 +392,8 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
   for (int c0 = c_lo; c0 < c_hi; c0 += G::kCols) {
     if (c0 + warp * G::kCL >= c_hi) break;     // the whole warp is past the columns (a multiple of kCL)
     const int c = c0 + warp * G::kCL + cl;
-    // Pass 1: sig of the thread's rows (and their kv, kKvEarly); the window max and NaN conditions.
+    // Pass 1: sig of the thread's rows (and their kv, kKvEarly); the window max. Rows before position 0 are
+    // excluded: sig -Inf and kv 0, which pool.h's pool turns into the +0 terms of excluded rows with no test.
     float v[kR], kvv[G::kKvEarly ? kR : 1];
     PoolMax st = pool_max_init();
     V4_UNROLL
@@ -396,30 +402,23 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
       for (int r = 0; r < 4; ++r) {
         const int k = 4 * (pl + G::kPL * qq) + r;
         const int64_t s = s0 + k;
-        v[4 * qq + r] = 0.0f;
+        v[4 * qq + r] = u2f(0xFF800000u);
         if constexpr (G::kKvEarly) kvv[4 * qq + r] = 0.0f;
         if (s >= 0) {
           v[4 * qq + r] = window_sig<K, D, DT, RING>(a, w, k, c);
           if constexpr (G::kKvEarly) kvv[4 * qq + r] = window_kv<K, D, DT, RING>(a, w, k, c);
-          pool_max_add(st, v[4 * qq + r]);
         }
+        pool_max_add(st, v[4 * qq + r]);
       }
     }
     V4_UNROLL
-    for (int x = G::kCL; x < 32; x <<= 1) {    // merge the kPL slices of the column
-      const float m = shfl_xor(st.m, x);
-      const int f = shfl_xor_i((st.bad ? 1 : 0) | (st.live ? 2 : 0), x);
-      pool_max_merge(st, m, (f & 1) != 0, (f & 2) != 0);
-    }
+    for (int x = G::kCL; x < 32; x <<= 1) pool_max_merge(st, shfl_xor(st.m, x));   // merge the column's slices
     // Pass 2: e_k (in place of sig), S = canonical sum of e.
     float part[G::kQ];
     V4_UNROLL
     for (int qq = 0; qq < G::kQ; ++qq) {
       V4_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        const int k = 4 * (pl + G::kPL * qq) + r;
-        v[4 * qq + r] = s0 + k >= 0 ? pool_exp(v[4 * qq + r], st.m) : 0.0f;
-      }
+      for (int r = 0; r < 4; ++r) v[4 * qq + r] = pool_exp(v[4 * qq + r], st.m);
       part[qq] = canonical_partial(v[4 * qq], v[4 * qq + 1], v[4 * qq + 2], v[4 * qq + 3]);
     }
     V4_UNROLL
@@ -440,7 +439,7 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
       V4_UNROLL
       for (int r = 0; r < 4; ++r) {
         const int k = 4 * (pl + G::kPL * qq) + r;
-        if constexpr (G::kKvEarly) t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], kvv[4 * qq + r]) : 0.0f;
+        if constexpr (G::kKvEarly) t[r] = fmul(v[4 * qq + r], kvv[4 * qq + r]);
         else t[r] = s0 + k >= 0 ? fmul(v[4 * qq + r], window_kv<K, D, DT, RING>(a, w, k, c)) : 0.0f;
       }
       part[qq] = canonical_partial(t[0], t[1], t[2], t[3]);
@@ -613,7 +612,7 @@ V4_FN void load4_f(const void* p, float (&x)[4]) {
 }
 
 // The window of one boundary for columns c0 .. c0+3 (K <= 8, D = 128): sig[k][e] and kv[k][e] of window row k,
-// column c0 + e (rows before position 0: not read, zeros). The source of a row (this call's inputs or the ring)
+// column c0 + e (rows before position 0, excluded: not read, sig -Inf and kv 0, see pool_row_dt). The source of a row (this call's inputs or the ring)
 // is decided once a row, and each row is one vector load a tensor.
 template <int K, int DT, bool VEC, bool RING>
 V4_FN void window4(const CompressArgs& a, const Win& w, int c0, float (&sig)[K][4], float (&kv)[K][4]) {
@@ -623,7 +622,10 @@ V4_FN void window4(const CompressArgs& a, const Win& w, int c0, float (&sig)[K][
     const int64_t s = w.s0 + k;
     const int col = window_col<K, 128>(k, c0);
     V4_UNROLL
-    for (int e = 0; e < 4; ++e) sig[k][e] = kv[k][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) {
+      sig[k][e] = u2f(0xFF800000u);
+      kv[k][e] = 0.0f;
+    }
     if (s < 0) continue;
     if (!RING || s >= w.start) {
       const int64_t r = w.i - (K - 1 - k);
@@ -648,38 +650,41 @@ V4_FN void pool_warp_dt(const CompressArgs& a, const Win& w, int lane, float (&y
   static_assert(K <= 8, "a lane holds every window row");
   float sig[K][4], kv[K][4];
   window4<K, DT, VEC, RING>(a, w, 4 * lane, sig, kv);
-  V4_UNROLL
-  for (int j = 0; j < 4; ++j) y[j] = 0.0f;
-  // One column a trip, in a loop that is not unrolled (a quarter of the code; docs/compress_kv.md, "Short code"):
-  // each trip pools column 0 of the arrays, then shifts every array down by one column (register moves), so that
-  // after the four trips y holds the four columns in order.
+  // kCols columns a trip, in a loop that is not unrolled where it has more than one trip (docs/compress_kv.md,
+  // "Short code"): each trip pools columns 0 .. kCols-1 of the arrays, then shifts every array (and y) down by
+  // kCols columns (register moves) and puts its results last, so that after the trips y holds the four columns
+  // in order.
+  constexpr int kCols = DSQ_COMPRESS_WARP_COLS;
+  static_assert(kCols == 1 || kCols == 2 || kCols == 4, "columns a trip: 1, 2 or 4");
   V4_NO_UNROLL
-  for (int e = 0; e < 4; ++e) {
-    float v[K];
-    PoolMax st = pool_max_init();
+  for (int e = 0; e < 4; e += kCols) {
+    float res[kCols];
     V4_UNROLL
-    for (int k = 0; k < K; ++k) {
-      if (w.s0 + k >= 0) pool_max_add(st, sig[k][0]);
-    }
-    V4_UNROLL
-    for (int k = 0; k < K; ++k) v[k] = w.s0 + k >= 0 ? pool_exp(sig[k][0], st.m) : 0.0f;
-    const float S = canonical_sum<K>(v);
-    const float yv = canonical_sum_map<K>([&](int k) {
-      return w.s0 + k >= 0 ? fmul(pool_weight(v[k], S), kv[k][0]) : 0.0f;
-    });
-    V4_UNROLL
-    for (int k = 0; k < K; ++k) {
+    for (int j = 0; j < kCols; ++j) {
+      float v[K];
+      PoolMax st = pool_max_init();
       V4_UNROLL
-      for (int j = 0; j < 3; ++j) {
-        sig[k][j] = sig[k][j + 1];
-        kv[k][j] = kv[k][j + 1];
-      }
+      for (int k = 0; k < K; ++k) pool_max_add(st, sig[k][j]);
+      V4_UNROLL
+      for (int k = 0; k < K; ++k) v[k] = pool_exp(sig[k][j], st.m);
+      const float S = canonical_sum<K>(v);
+      const float yv = canonical_sum_map<K>([&](int k) { return fmul(pool_weight(v[k], S), kv[k][j]); });
+      res[j] = pool_finish(yv, st);
     }
     V4_UNROLL
-    for (int j = 0; j < 3; ++j) y[j] = y[j + 1];
-    y[3] = pool_finish(yv, st);
+    for (int j = 0; j + kCols < 4; ++j) {
+      V4_UNROLL
+      for (int k = 0; k < K; ++k) {
+        sig[k][j] = sig[k][j + kCols];
+        kv[k][j] = kv[k][j + kCols];
+      }
+      y[j] = y[j + kCols];
+    }
+    V4_UNROLL
+    for (int j = 0; j < kCols; ++j) y[4 - kCols + j] = res[j];
   }
 }
+
 template <int K, bool RING = true>
 V4_FN void pool_warp(const CompressArgs& a, const Win& w, int lane, float (&y)[4]) {
   if (window_vec(a)) {
@@ -697,7 +702,7 @@ V4_FN void compress_boundary_warp(const CompressArgs& a, const Seq& q, int64_t i
   const int64_t slot = boundary_slot<K>(a, i, p, lane == 0);
   FinishIn<128> f = finish_in<K, 128>(a, p, lane);
   float y[4];
-  pool_warp<K, false>(a, window_of<K>(a, q, i, p), lane, y);   // a range's window: this call's inputs only
+  pool_warp<K, false>(a, window_of<K, false>(a, q, i, p), lane, y);   // a range's window: this call's inputs only
   if (slot >= 0) finish_values<K, 128>(a, y, f, slot, lane);
 }
 
@@ -903,13 +908,15 @@ V4_FN void sequence_block(const CompressArgs& a, CompressSmem& sm, int64_t b) {
   if (a.update_state) ring_update<K, D, 1>(a, q, 0, vec, rb);
 }
 
-// Range modes (compress_args.h compress_warp_ranges, compress_split): kRangeBlock, one range a block; kRangeWarp,
-// kWarps ranges a block, one a warp (K <= 8, D = 128); kSplit, each sequence and each range a cluster of
-// kSplitBlocks blocks (K >= 128, D = 128, NVIDIA sm_90 on), block r pooling the columns [r D/S, (r+1) D/S).
+// Range modes (compress_args.h compress_warp_ranges, compress_split_blocks): kRangeBlock, one range a block;
+// kRangeWarp, kWarps ranges a block, one a warp (K <= 8, D = 128); kSplit4 and kSplit8, each sequence and each range
+// a cluster of S = 4 or 8 blocks (K >= 128, NVIDIA sm_90 on), block r pooling the columns [r D/S, (r+1) D/S).
 constexpr int kRangeBlock = 0;
 constexpr int kRangeWarp = 1;
-constexpr int kSplit = 2;
-constexpr int kSplitBlocks = kCompressSplitBlocks;
+constexpr int kSplit4 = 2;
+constexpr int kSplit8 = 3;
+template <int MODE>
+constexpr int kSplitOf = MODE == kSplit8 ? 8 : (MODE == kSplit4 ? 4 : 1);   // blocks a cluster of MODE
 
 #if defined(DSQ_V4_CLUSTERS)
 // The column-split mode. The includer defines, besides the list above: void cluster_sync() (the barrier of every
@@ -919,15 +926,15 @@ constexpr int kSplitBlocks = kCompressSplitBlocks;
 //
 // A window of K >= 128 rows is an exp and a division per value, 16K of each for K = 128: one block a window leaves
 // most SMs idle when a call has fewer windows than SMs, and the window's latency is that of one SM. Here the
-// cluster's blocks pool a quarter of the columns each into their own sm.y; after a cluster barrier (every window
+// cluster's S blocks pool D/S columns each into their own sm.y; after a cluster barrier (every window
 // read of the cluster done) block 0's warp 0 reads the row across the cluster and finishes it, and every block
 // writes its share of the ring rows (sequence clusters). A last cluster barrier keeps each block's shared memory
 // alive until block 0 has read it, and before a second boundary pools into it. The bytes are those of the other
 // modes (the same operations, in the same order, column by column).
-template <int K, int D, bool RING>
+template <int K, int D, int S, bool RING>
 V4_FN void compress_boundary_split(const CompressArgs& a, CompressSmem& sm, const Seq& q, int64_t i, int64_t p,
                                    int rank) {
-  constexpr int kPart = D / kSplitBlocks;
+  constexpr int kPart = D / S;
   const int tid = thread_id();
   const bool finisher = rank == 0 && tid < 32;
   const int64_t slot = boundary_slot<K>(a, i, p, rank == 0 && tid == 0);
@@ -945,9 +952,9 @@ V4_FN void compress_boundary_split(const CompressArgs& a, CompressSmem& sm, cons
 }
 
 // The cluster of sequence b: sequence_block's work, pooled and written by the cluster's blocks.
-template <int K, int D>
+template <int K, int D, int S>
 V4_FN void sequence_split(const CompressArgs& a, CompressSmem& sm, int64_t b, int rank) {
-  using RG = Ring<K, D, kSplitBlocks>;
+  using RG = Ring<K, D, S>;
   constexpr int RT = Geo<K>::kRatio;
   const Seq q = seq_of(a, b);
   if (q.len == 0) return;
@@ -960,30 +967,30 @@ V4_FN void sequence_split(const CompressArgs& a, CompressSmem& sm, int64_t b, in
   const int64_t lim = q.len < K - 1 ? q.len : K - 1;
   const int64_t j = first_boundary<K>(q, 0);
   const bool pooled = j < lim;                 // the same in every block of the cluster
-  if (pooled) compress_boundary_split<K, D, true>(a, sm, q, q.first + j, q.start + j, rank);
+  if (pooled) compress_boundary_split<K, D, S, true>(a, sm, q, q.first + j, q.start + j, rank);
   if constexpr (Geo<K>::kOverlap) {
     if (j + RT < lim) {
       cluster_sync();                          // block 0 done with every sm.y
-      compress_boundary_split<K, D, true>(a, sm, q, q.first + j + RT, q.start + j + RT, rank);
+      compress_boundary_split<K, D, S, true>(a, sm, q, q.first + j + RT, q.start + j + RT, rank);
     }
   }
-  if (a.update_state) ring_update<K, D, kSplitBlocks>(a, q, rank, vec, rb);
+  if (a.update_state) ring_update<K, D, S>(a, q, rank, vec, rb);
   if (pooled) cluster_sync();                  // every sm.y alive until block 0 has read it
 }
 
-template <int K, int D>
+template <int K, int D, int S>
 V4_FN void compress_split(const CompressArgs& a, CompressSmem& sm) {
-  static_assert(K >= 128 && D % (kSplitBlocks * Geo<K>::kCL) == 0, "split: windows of K >= 128 rows");
+  static_assert(K >= 128 && D % (S * Geo<K>::kCL) == 0, "split: windows of K >= 128 rows");
   constexpr int RT = Geo<K>::kRatio;
-  const int64_t item = block_id() / kSplitBlocks;
+  const int64_t item = block_id() / S;
   const int rank = cluster_rank();
-  if (item < a.B) return sequence_split<K, D>(a, sm, item, rank);
+  if (item < a.B) return sequence_split<K, D, S>(a, sm, item, rank);
   const int64_t i0 = (item - a.B) * RT;
   Seq q;
   if (!range_seq(a, i0, q)) return;
   const int64_t j = range_boundary<K>(q, i0);
   if (j < 0) return;
-  compress_boundary_split<K, D, false>(a, sm, q, q.first + j, q.start + j, rank);
+  compress_boundary_split<K, D, S, false>(a, sm, q, q.first + j, q.start + j, rank);
   cluster_sync();                              // every sm.y alive until block 0 has read it
 }
 #endif
@@ -993,8 +1000,8 @@ V4_FN void compress_block(const CompressArgs& a, CompressSmem& sm) {
   constexpr int RT = Geo<K>::kRatio;
   const int64_t bid = block_id();
 #if defined(DSQ_V4_CLUSTERS)
-  if constexpr (MODE == kSplit) {
-    compress_split<K, D>(a, sm);
+  if constexpr (kSplitOf<MODE> > 1) {
+    compress_split<K, D, kSplitOf<MODE>>(a, sm);
     return;
   }
 #endif

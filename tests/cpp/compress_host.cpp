@@ -69,9 +69,10 @@ T* cluster_peer(T* p, int r) {
 
 namespace {
 
-// compress_kv's range mode: 0 the launcher's choice by call size (on sm_90: clusters for K >= 128), 1 one range a
-// block (and one block a window: the mode of devices without clusters), 2 one range a warp (where K <= 8 and
-// D = 128; elsewhere one a block, as the launcher does).
+// compress_kv's range mode: 0 the launcher's choice by call size (on sm_90: clusters for K >= 128, of 8 blocks for
+// calls of few windows, else 4), 1 one range a block (and one block a window: the mode of devices without clusters),
+// 2 one range a warp (where K <= 8 and D = 128; elsewhere one a block, as the launcher does), 3 clusters of 4 blocks
+// whatever the call's size.
 int g_compress_force = 0;
 
 template <int K, int D, int MODE>
@@ -82,17 +83,17 @@ void compress_grid_run(const dsqv4::CompressArgs& a) {
   });
 }
 
-// The column-split mode: clusters of kSplitBlocks blocks, each cluster's blocks run together.
-template <int K, int D>
+// The column-split mode: clusters of S blocks, each cluster's blocks run together.
+template <int K, int D, int MODE>
 void compress_split_run(const dsqv4::CompressArgs& a) {
-  constexpr int S = dsqv4::kSplitBlocks;
+  constexpr int S = dsqv4::kSplitOf<MODE>;
   std::unique_ptr<dsqv4::CompressSmem[]> sms(new dsqv4::CompressSmem[S]);
   dsqv4::g_cluster_smem = sms.get();
   dsqv4::g_cluster_blocks = S;
-  emu::run_grid(dsqv4::compress_grid(a, false, true) / S, [&](int64_t cluster) {
+  emu::run_grid(dsqv4::compress_grid(a, false, S) / S, [&](int64_t cluster) {
     std::memset(static_cast<void*>(sms.get()), 0xA5, sizeof(dsqv4::CompressSmem) * S);
     emu::run_block(cluster * S, S * dsqv4::kThreads, [&] {
-      dsqv4::compress_block<K, D, dsqv4::kSplit>(a, sms[emu::cluster_rank()]);
+      dsqv4::compress_block<K, D, MODE>(a, sms[emu::cluster_rank()]);
     }, dsqv4::kThreads);
   });
 }
@@ -100,9 +101,10 @@ void compress_split_run(const dsqv4::CompressArgs& a) {
 template <int K>
 void compress_k(const dsqv4::CompressArgs& a) {
   if constexpr (K >= 128) {
-    if (g_compress_force == 0 && dsqv4::compress_split_windows(a)) {
-      if (a.D == 128) return compress_split_run<K, 128>(a);
-      if (a.D == 512) return compress_split_run<K, 512>(a);
+    if ((g_compress_force == 0 || g_compress_force == 3) && dsqv4::compress_split_windows(a)) {
+      const bool four = g_compress_force == 3 || dsqv4::compress_split_blocks(a) == 4;
+      if (a.D == 128) return four ? compress_split_run<K, 128, dsqv4::kSplit4>(a) : compress_split_run<K, 128, dsqv4::kSplit8>(a);
+      if (a.D == 512) return four ? compress_split_run<K, 512, dsqv4::kSplit4>(a) : compress_split_run<K, 512, dsqv4::kSplit8>(a);
     }
   }
   if constexpr (K <= 8) {
@@ -262,7 +264,8 @@ DSQ_API int dsq_emu_warp_op(float* x, int64_t count, int n, int op) {
 }
 // The values a lane of the emulated rope_rotate_quant (0: the launcher's choice; 16, 32, 64 or 128).
 DSQ_API void dsq_emu_set_rotate_v(int v) { g_rotate_v = v; }
-// compress_kv's range mode (g_compress_force): 0 by call size, 1 one range a block, 2 one range a warp.
+// compress_kv's range mode (g_compress_force): 0 by call size, 1 one range a block, 2 one range a warp, 3 clusters of
+// 4 blocks for the windows of K >= 128 rows.
 DSQ_API void dsq_emu_set_compress_mode(int force) { g_compress_force = force; }
 // The order of the blocks of a grid: 0 in order, 1 reversed, 2 shuffled (seeded).
 DSQ_API void dsq_emu_set_block_order(int order, uint64_t seed) { emu::set_grid_order(order, seed); }

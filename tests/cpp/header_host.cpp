@@ -427,6 +427,13 @@ PYBIND11_MODULE(dsq_header_host, m) {
   m.def("hadamard_scale", [](int n) { return dsq::hadamard_scale(n); });
 
   // ---- SPEC §7.6 pool, §7.7 FP8 group scale ----
+  // sig, m [N] fp32 -> pool_exp(sig, m) [N].
+  m.def("pool_exp", [](const arr<float>& sig, const arr<float>& mx) {
+    need(sig.ndim() == 1 && mx.ndim() == 1 && sig.shape(0) == mx.shape(0), "sig, m: [N] each");
+    arr<float> out(sig.shape(0));
+    for (py::ssize_t i = 0; i < sig.shape(0); ++i) out.mutable_data()[i] = dsq::pool_exp(sig.data()[i], mx.data()[i]);
+    return out;
+  });
   // sig, kv [N, K] fp32, incl [N, K] bool -> y [N] (pool_window<K>, K in 4, 8, 128, 256).
   m.def("pool_window", [](const arr<float>& sig, const arr<float>& kv, const arr<bool>& incl) {
     need(sig.ndim() == 2 && kv.ndim() == 2 && incl.ndim() == 2 && kv.shape(0) == sig.shape(0) &&

@@ -97,7 +97,7 @@ extern "C" __global__ void scalar_kernel(const float* x, float* f, uint32_t* u, 
   // SPEC §7.6 pool pieces, §7.7 FP8 group scale.
   PoolMax pm = pool_max_init();
   pool_max_add(pm, -abs_f(v));
-  pool_max_merge(pm, v, false, true);
+  pool_max_merge(pm, fmax_nan(v, -v));
   f[k++] = pool_finish(pool_term(pool_exp(-abs_f(v), pm.m), 2.0f, v) + pool_weight(0.5f, 3.0f), pm) +
            fp8_group_scale(abs_f(v), Fp8Flavour::e4m3fn);
   u[i] = f2u(f[0]);

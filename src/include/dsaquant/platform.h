@@ -183,6 +183,17 @@ DSQ_HD float fmin_nn(float a, float b) {
 #endif
 }
 
+// The larger of a and b, NaN when either is NaN (IEEE maximum; PTX max.NaN).
+DSQ_HD float fmax_nan(float a, float b) {
+#if defined(DSQ_CUDA_DEVICE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (is_nan(a) || a > b) ? a : b;
+#endif
+}
+
 // torch.clamp_min / clamp_max semantics: a NaN `a` stays NaN (the reference's max(amax, floor)).
 DSQ_HD float clamp_lo(float a, float lo) { return a < lo ? lo : a; }
 DSQ_HD float clamp_hi(float a, float hi) { return a > hi ? hi : a; }

@@ -15,39 +15,52 @@
 
 namespace dsq {
 
-// Running state of the window max (m) and the two NaN conditions over the included rows.
+// Running state of the window max over the included rows: m is the NaN-propagating max of their sig (-Inf
+// while there is none). Where no included sig is NaN it equals the NaN-ignoring max the pool subtracts; where one
+// is, or where m is +Inf (an included +Inf) or -Inf (every included sig -Inf, or none included), the pooled value
+// is the canonical NaN whatever the exponentials give, so one non-finite test of m decides pool_finish. One
+// max a row and no flags: the kernels' pool stays free of branches.
 struct PoolMax {
-  float m;     // NaN-ignoring max of the included sig (-Inf while none is finite or +Inf)
-  bool bad;    // an included sig is NaN or +Inf
-  bool live;   // an included sig is not -Inf
+  float m;
 };
 
-DSQ_HD PoolMax pool_max_init() { return PoolMax{u2f(0xFF800000u), false, false}; }
+DSQ_HD PoolMax pool_max_init() { return PoolMax{u2f(0xFF800000u)}; }
 
-// Add an included row's sig.
-DSQ_HD void pool_max_add(PoolMax& a, float sig) {
-  a.m = fmax_nn(a.m, sig);
-  a.bad = a.bad || is_nan(sig) || (is_inf(sig) && !sign_bit(sig));
-  a.live = a.live || !(is_inf(sig) && sign_bit(sig));
-}
+// Add an included row's sig. An excluded row may be added as -Inf instead of being skipped: it changes neither m
+// nor the outcome, and its e_k = exp_ds(fl(-Inf - m)) is +0 wherever m is finite.
+DSQ_HD void pool_max_add(PoolMax& a, float sig) { a.m = fmax_nan(a.m, sig); }
 
 // Merge another part of the same window (max is exact, so the order of merges does not matter; a +0/-0 tie
 // may give either zero, and exp_ds(fl(sig - (+-0))) is the same for both).
-DSQ_HD void pool_max_merge(PoolMax& a, float m, bool bad, bool live) {
-  a.m = fmax_nn(a.m, m);
-  a.bad = a.bad || bad;
-  a.live = a.live || live;
-}
+DSQ_HD void pool_max_merge(PoolMax& a, float m) { a.m = fmax_nan(a.m, m); }
 
-// e_k of an included row.
-DSQ_HD float pool_exp(float sig, float m) { return exp_ds(fsub(sig, m)); }
+// e_k of an included row: exp_ds(fl(sig - m)), bit for bit wherever m is finite (the only case whose e_k reach a
+// pooled value). There x = fl(sig - m) lies in [-Inf, 0], and exp_ds's steps simplify: x clamped to -200 (-Inf
+// included) gives n in [-289, 0], where exp_ds's clamps of n and of the exponent never act and every n below -151
+// gives 0, as -Inf does. tests/test_header_compress_host.py holds it to exp_ds over every such x.
+DSQ_HD float pool_exp(float sig, float m) {
+  const float x = fmax_nn(fsub(sig, m), -200.0f);
+  const float n = rint_f(fmul(x, u2f(0x3FB8AA3Bu)));
+  const float r = fsub(fsub(x, fmul(n, u2f(0x3F317200u))), fmul(n, u2f(0x35BFBE8Eu)));
+  const uint32_t poly[6] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu, 0x3F000000u, 0x3F800000u};
+  float a = u2f(0x39500D01u);
+  for (int k = 0; k < 6; ++k) a = fadd(u2f(poly[k]), fmul(r, a));
+  const float p = fadd(1.0f, fmul(r, a));
+  const int ni = static_cast<int>(n);
+  const bool normal = ni >= -126;
+  float y = fmul(p, pow2(normal ? ni + 127 : (ni + 191 > 0 ? ni + 191 : 1)));
+  y = normal ? y : fmul(y, pow2(63));
+  return ni < -151 ? 0.0f : y;
+}
 
 // The weight of an included row, fl(e / S), and its term of y, fl(fl(e / S) * kv).
 DSQ_HD float pool_weight(float e, float S) { return fdiv(e, S); }
 DSQ_HD float pool_term(float e, float S, float kv) { return fmul(pool_weight(e, S), kv); }
 
-// The pooled value: y, or the canonical NaN for a poisoned or empty window.
-DSQ_HD float pool_finish(float y, const PoolMax& a) { return (a.bad || !a.live) ? u2f(kCanonicalNanBits) : y; }
+// The pooled value: y, or the canonical NaN for a poisoned or empty window (m not finite).
+DSQ_HD float pool_finish(float y, const PoolMax& a) {
+  return (f2u(a.m) & 0x7F800000u) == 0x7F800000u ? u2f(kCanonicalNanBits) : y;
+}
 
 // The whole pool of one column in one thread: sig, kv [K] fp32, incl [K] (K = 4 * 2^j, at most 1024).
 template <int K>
