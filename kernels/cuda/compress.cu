@@ -7,8 +7,8 @@
 //   compress_grid: one range of `ratio` tokens a block, or 8 a block, one a warp, for calls of many ranges; for
 //   K >= 128 on sm_90 and later, a cluster of 8 or 4 blocks for each sequence and each range, splitting the
 //   columns); template <K, D, MODE> (K = (1+overlap)*ratio in {4, 8, 128, 256}, D in {128, 512}, MODE kRangeBlock,
-//   kRangeWarp for K <= 8 and D = 128, or kSplit8 / kSplit4); the ring ordering argument is in compress_body.cuh. Static
-//   shared memory: CompressSmem (2 KB).
+//   kRangeWarp for K <= 8 and D = 128, or kSplit8 / kSplit4); the ring ordering argument is in compress_body.cuh.
+//   Static shared memory: CompressSmem (2 KB).
 // rope_rotate_quant: one launch, 128 threads a block, D/V lanes a (t, h) row (rotate_body.cuh); template <D, V, MODE>:
 //   V = 16 (32 for D = 1024) with the output mode chosen at run time for small calls; for large ones V = 64
 //   (DSQ_ROTATE_V_LARGE_128 for D = 128, _WIDE for wider rows), one instance per output mode. Static shared
@@ -71,8 +71,8 @@ namespace dsqv4 {
 // The second bound (CUDA: min resident blocks per SM; HIP: min waves per EU) is given so that ptxas does not pick an
 // occupancy-driven register target of its own, which spilled a few registers of some instantiations (sm_90a/100a).
 // Large windows keep 120-170 registers on sm_90a (a thread holds 8 window rows of sig and kv, compress_body.cuh Geo).
-// The column-split instances (MODE kSplit4, kSplit8) exist in sm_90 code and later only: launch_split checks that the device
-// runs such code (cluster.cuh runs_sm90_code) before it launches them in clusters.
+// The column-split instances (MODE kSplit4, kSplit8) exist in sm_90 code and later only: launch_split checks that the
+// device runs such code (cluster.cuh runs_sm90_code) before it launches them in clusters.
 template <int K, int D, int MODE>
 __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(CompressArgs a) {
   __shared__ CompressSmem sm;

@@ -217,7 +217,7 @@ V4_FN void fp4_encode_lane(const float (&x)[V], const int (&ex)[Chunks<V>::kMax]
 // 4 rows. Measured on an H100, ratio 128, T = 8192 (column split): 8 slices (16 rows a thread, about 200
 // registers, one block an SM) 35.9 µs, 16 slices (8 rows, about 125 registers, two blocks an SM, kv loaded with
 // sig) 27.2 µs, 32 slices (4 rows, every butterfly level across lanes) 34.9 µs; with the branch-free pool, 16 slices
-// 23.5 µs (clusters of 4) and 23.3 (of 8), 32 slices 32.9 and 35.2.
+// 23.5 µs (clusters of 4) and 23.3 (of 8), 32 slices 32.9 and 35.2, 8 slices 48.6 (of 8).
 #ifndef DSQ_COMPRESS_SLICES_128
 #define DSQ_COMPRESS_SLICES_128 16
 #endif
@@ -612,8 +612,8 @@ V4_FN void load4_f(const void* p, float (&x)[4]) {
 }
 
 // The window of one boundary for columns c0 .. c0+3 (K <= 8, D = 128): sig[k][e] and kv[k][e] of window row k,
-// column c0 + e (rows before position 0, excluded: not read, sig -Inf and kv 0, see pool_row_dt). The source of a row (this call's inputs or the ring)
-// is decided once a row, and each row is one vector load a tensor.
+// column c0 + e (rows before position 0, excluded: not read, sig -Inf and kv 0, see pool_row_dt). The source of a
+// row (this call's inputs or the ring) is decided once a row, and each row is one vector load a tensor.
 template <int K, int DT, bool VEC, bool RING>
 V4_FN void window4(const CompressArgs& a, const Win& w, int c0, float (&sig)[K][4], float (&kv)[K][4]) {
   constexpr int esz = DT == kF32 ? 4 : 2;

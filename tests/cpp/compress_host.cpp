@@ -103,8 +103,9 @@ void compress_k(const dsqv4::CompressArgs& a) {
   if constexpr (K >= 128) {
     if ((g_compress_force == 0 || g_compress_force == 3) && dsqv4::compress_split_windows(a)) {
       const bool four = g_compress_force == 3 || dsqv4::compress_split_blocks(a) == 4;
-      if (a.D == 128) return four ? compress_split_run<K, 128, dsqv4::kSplit4>(a) : compress_split_run<K, 128, dsqv4::kSplit8>(a);
-      if (a.D == 512) return four ? compress_split_run<K, 512, dsqv4::kSplit4>(a) : compress_split_run<K, 512, dsqv4::kSplit8>(a);
+      using namespace dsqv4;
+      if (a.D == 128) return four ? compress_split_run<K, 128, kSplit4>(a) : compress_split_run<K, 128, kSplit8>(a);
+      if (a.D == 512) return four ? compress_split_run<K, 512, kSplit4>(a) : compress_split_run<K, 512, kSplit8>(a);
     }
   }
   if constexpr (K <= 8) {
