@@ -431,8 +431,7 @@ V4_FN void pool_row_dt(const CompressArgs& a, CompressSmem& sm, const Seq& q, in
     for (int x = G::kPL / 2; x >= 1; x >>= 1) S = fadd(S, shfl_xor(S, x * G::kCL));   // strides kPL/2 .. 1
     // Pass 3: the weights fl(e/S) (in place; first, so that few values are live across the divisions), then
     // y = canonical sum of fl(w * kv).
-    V4_UNROLL
-    for (int x = 0; x < kR; ++x) v[x] = pool_weight(v[x], S);
+    pool_weights(v, S);
     V4_UNROLL
     for (int qq = 0; qq < G::kQ; ++qq) {
       float t[4];
@@ -668,7 +667,8 @@ V4_FN void pool_warp_dt(const CompressArgs& a, const Win& w, int lane, float (&y
       V4_UNROLL
       for (int k = 0; k < K; ++k) v[k] = pool_exp(sig[k][j], st.m);
       const float S = canonical_sum<K>(v);
-      const float yv = canonical_sum_map<K>([&](int k) { return fmul(pool_weight(v[k], S), kv[k][j]); });
+      pool_weights(v, S);
+      const float yv = canonical_sum_map<K>([&](int k) { return fmul(v[k], kv[k][j]); });
       res[j] = pool_finish(yv, st);
     }
     V4_UNROLL

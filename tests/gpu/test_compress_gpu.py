@@ -21,6 +21,8 @@ Grid, chosen to keep the Triton compile count small (each constexpr setting is o
   128) gives the reference's bytes;
 - exp_ds (SPEC §0.7): the golden vectors through the reference on the CUDA device and through the Triton
   exp_ds, plus 2^20 points of [-104, 0] against the CPU reference;
+- the pool's shared-reciprocal division (dsq::pool_weights) against the correctly rounded division over every
+  dividend of [2^-100, 2) for 412 divisors;
 - rope_rotate_quant: every output dtype (FP4 shuffled/dense, FP8 both flavours, bf16/fp16, in place),
   D in {128, 256, 512, 1024}, T in {1, 5, 300}, H in {16, 64}.
 """
@@ -312,6 +314,28 @@ def test_exp_ds_cuda_on_gpu():
     bad = int((got[: x.numel()] != want).sum()) + int((got != ref).sum())
     record("cuda", "exp_ds", 4 * (x.numel() + xs.numel()), 4 * bad)
     assert bad == 0
+
+
+def test_pool_weights_fast_path(tmp_path):
+    """The pool's shared-reciprocal division (dsq::pool_weights, the compress kernels' fl(e/S)) against the
+    correctly rounded division, on the GPU: every fp32 e in [2^-100, 2) and 0 for 412 divisors S of [1, 256]
+    (tests/cpp/pool_div_check.cu, built here with the library's nvcc flags)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "tools"))
+    import build_native as bn
+    nvcc = bn.find_nvcc()
+    if nvcc is None or torch.version.cuda is None:
+        pytest.skip("needs nvcc and a CUDA GPU")
+    major, minor = torch.cuda.get_device_capability()
+    exe = tmp_path / "pool_div_check"
+    subprocess.run([nvcc, "-std=c++17", "-O3", "--fmad=false", f"-I{repo / 'src/include'}",
+                    f"-arch=sm_{major}{minor}", str(repo / "tests/cpp/pool_div_check.cu"), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    print(out.stdout)
+    assert out.returncode == 0 and out.stdout.startswith("mismatches 0 of "), out.stdout + out.stderr
 
 
 if dispatch.available("triton")[0]:
