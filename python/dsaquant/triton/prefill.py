@@ -237,16 +237,10 @@ def _mqa_logits_kernel(
     """Program (p, sp): the blocks of BQ query rows p * ROW_BLOCKS .. p * ROW_BLOCKS + ROW_BLOCKS - 1, each against
     split sp of the key tiles (_mqa_logits_rows). Several blocks a program serve the FP4 second pass of the cuda
     backend, whose programs usually find nothing to do: fewer, longer programs."""
-    if FOLD_PASS == 2:
-        # FP4 second pass: nothing to do where every key and every query row folds (kall_ptr[0], [1]), the usual case
-        if (tl.load(kall_ptr) == 0) | (tl.load(kall_ptr + 1) == 0):
-            for rb in range(ROW_BLOCKS):
-                _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr,
-                                 k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
-                                 tiles_per_prog, stride_w, stride_out, H, BQ, BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ,
-                                 DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, FILL, OUT_KIND, STATIC_TILES,
-                                 FOLD_PASS)
-    else:
+    todo = True
+    if FOLD_PASS == 2:   # FP4 second pass: nothing to do where every key and every query row folds (the usual case)
+        todo = (tl.load(kall_ptr) == 0) | (tl.load(kall_ptr + 1) == 0)
+    if todo:
         for rb in range(ROW_BLOCKS):
             _mqa_logits_rows(tl.program_id(0) * ROW_BLOCKS + rb, tl.program_id(1), q_ptr, qs_ptr, k_ptr, kf_ptr,
                              k8_ptr, ksc_ptr, kt_ptr, kall_ptr, w_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, S, SKV, W,
