@@ -34,34 +34,42 @@ using dsqsc::kTile;
 using dsqsc::smem_plan;
 
 // Blocks per SM the register allocation must allow (1: no limit). FP4 tiles of NT <= 64 query rows hold two
-// A-fragment sets besides the accumulators: bounded to 128 registers they fit four blocks an SM, which measured
-// faster than three on the small-batch shapes (fp8_132 measured faster unbounded, 111 registers). With the
-// expansion of one block a lane, three measured 0.2 to 0.8 µs faster at (64, 1, 8192) on the H100 (packed68
-// 29.3 µs against 29.7); the small-batch shapes were not timed again. FP4 tiles of
-// 128 rows (two 64-row accumulator sets and one fragment set) are bounded to three blocks an SM (168 registers,
-// no spills), what the one-set kernel reached unbounded; fp8_132 tiles of 128 rows are not bounded.
+// A-fragment sets besides the accumulators. packed68 kernels bounded to 128 registers fit four blocks an SM, which
+// measured faster than three (H100, packed68 (64, 1, 8192) 27.0 µs against 27.7, (1, 1, 65536) 6.3 against 7.2);
+// aiter_fp4 kernels, whose exponent gathers need more registers, spill at 128 and measured faster with three
+// (aiter_fp4 (64, 1, 8192) 32.0 µs against 33.7, (4, 1, 32768) uniform 11.5 against 12.0; only (1, 1, 65536) was
+// slower, 8.6 against 8.1). FP4 tiles of 128 rows (two 64-row accumulator sets and one fragment set) are bounded
+// to three blocks an SM (168 registers, no spills); fp8_132 kernels are not bounded (at most 154 registers).
 #ifndef DSQ_SCORER_MIN_CTAS_FP8
 #define DSQ_SCORER_MIN_CTAS_FP8 1
 #endif
 #ifndef DSQ_SCORER_MIN_CTAS_FP4
 #define DSQ_SCORER_MIN_CTAS_FP4 4
 #endif
+#ifndef DSQ_SCORER_MIN_CTAS_AITER
+#define DSQ_SCORER_MIN_CTAS_AITER 3
+#endif
 #ifndef DSQ_SCORER_MIN_CTAS_FP4_WIDE
 #define DSQ_SCORER_MIN_CTAS_FP4_WIDE 3
 #endif
-template <int NT, bool FP4>
-constexpr int kMinCtas = NT > 64 ? (FP4 ? DSQ_SCORER_MIN_CTAS_FP4_WIDE : 1)
-                                 : FP4 ? DSQ_SCORER_MIN_CTAS_FP4 : DSQ_SCORER_MIN_CTAS_FP8;
+template <int NT, int LAYOUT>
+constexpr int kMinCtas = LAYOUT == DSQ_SCORER_FP8_132 ? (NT > 64 ? 1 : DSQ_SCORER_MIN_CTAS_FP8)
+                         : NT > 64                    ? DSQ_SCORER_MIN_CTAS_FP4_WIDE
+                         : LAYOUT == DSQ_SCORER_PACKED68 ? DSQ_SCORER_MIN_CTAS_FP4
+                                                         : DSQ_SCORER_MIN_CTAS_AITER;
+constexpr bool is_fp4(int layout) { return layout != DSQ_SCORER_FP8_132; }
 
-template <int H, int NQ, bool FP4>
-__global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, FP4>) paged_logits_kernel(const DsqPagedLogitsArgs a, int tiles_per_cta,
-                                                                 int n_pages, int p_shift) {
+// One kernel per layout (DSQ_SCORER_*): each holds only its own copy and expansion code.
+template <int H, int NQ, int LAYOUT>
+__global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, LAYOUT>)
+    paged_logits_kernel(const DsqPagedLogitsArgs a, int tiles_per_cta, int n_pages, int p_shift) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t dyn_smem[];
   // 1024-aligned (the 128-byte swizzle repeats every 1024 bytes); offset from dyn_smem so that every
   // access stays a shared-memory access
   uint8_t* smem = dyn_smem + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) & 1023u)) & 1023u);
-  dsqsc::paged_logits_block<H, NQ, FP4>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, n_pages, p_shift, smem);
+  dsqsc::paged_logits_block<H, NQ, LAYOUT>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, n_pages, p_shift,
+                                           smem);
 #endif
 }
 
@@ -79,7 +87,7 @@ constexpr const char* kDeviceCode = "";
 bool has_wgmma_kernel(int major, int minor) {
   if (major != 9 || minor != 0 || std::strstr(kDeviceCode, "_90a") == nullptr) return false;
   cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, paged_logits_kernel<16, 1, false>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, paged_logits_kernel<16, 1, DSQ_SCORER_FP8_132>) != cudaSuccess) {
     static_cast<void>(cudaGetLastError());   // not left behind for the next launch's cudaGetLastError
     return false;
   }
@@ -100,15 +108,15 @@ bool wgmma_on(int dev) {
 // CTAs of one kernel that fit on an SM at once (shared memory, registers), per device; the page list
 // is counted at kPageAllowance entries (the split below keeps most launches within it).
 constexpr int kPageAllowance = 256;
-template <int H, int NQ, bool FP4>
+template <int H, int NQ, int LAYOUT>
 int resident_ctas(int dev) {
   static std::mutex mu;
   static int cache[dsqdev::kMaxDevices] = {};
   std::lock_guard<std::mutex> lock(mu);
   if (dev < 0 || dev >= dsqdev::kMaxDevices) return 1;
   if (cache[dev] == 0) {
-    const int bytes = smem_plan(H * NQ, FP4, kPageAllowance).total + 1024;
-    auto kernel = paged_logits_kernel<H, NQ, FP4>;
+    const int bytes = smem_plan(H * NQ, is_fp4(LAYOUT), kPageAllowance).total + 1024;
+    auto kernel = paged_logits_kernel<H, NQ, LAYOUT>;
     int n = 0;
     if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, bytes) != cudaSuccess || n < 1) n = 1;
@@ -117,11 +125,11 @@ int resident_ctas(int dev) {
   return cache[dev];
 }
 
-template <int H, int NQ, bool FP4>
+template <int H, int NQ, int LAYOUT>
 int launch(const DsqPagedLogitsArgs& a, int sms, cudaStream_t stream) {
-  const dsqsc::Plan p = dsqsc::plan(a, NQ, static_cast<int64_t>(resident_ctas<H, NQ, FP4>(a.device)) * sms);
-  const int bytes = smem_plan(H * NQ, FP4, p.n_pages).total + 1024;
-  auto kernel = paged_logits_kernel<H, NQ, FP4>;
+  const dsqsc::Plan p = dsqsc::plan(a, NQ, static_cast<int64_t>(resident_ctas<H, NQ, LAYOUT>(a.device)) * sms);
+  const int bytes = smem_plan(H * NQ, is_fp4(LAYOUT), p.n_pages).total + 1024;
+  auto kernel = paged_logits_kernel<H, NQ, LAYOUT>;
   if (bytes > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
@@ -131,20 +139,20 @@ int launch(const DsqPagedLogitsArgs& a, int sms, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <bool FP4>
+template <int L>
 int dispatch_h(const DsqPagedLogitsArgs& a, int sms, cudaStream_t s) {
   const int nq = dsqsc::queries_per_block(a);
   switch (a.H) {
     case 16:
-      return nq == 1 ? launch<16, 1, FP4>(a, sms, s) : nq == 2 ? launch<16, 2, FP4>(a, sms, s)
-             : nq == 4 ? launch<16, 4, FP4>(a, sms, s) : launch<16, 8, FP4>(a, sms, s);
+      return nq == 1 ? launch<16, 1, L>(a, sms, s) : nq == 2 ? launch<16, 2, L>(a, sms, s)
+             : nq == 4 ? launch<16, 4, L>(a, sms, s) : launch<16, 8, L>(a, sms, s);
     case 32:
-      return nq == 1 ? launch<32, 1, FP4>(a, sms, s) : nq == 2 ? launch<32, 2, FP4>(a, sms, s)
-                                                          : launch<32, 4, FP4>(a, sms, s);
+      return nq == 1 ? launch<32, 1, L>(a, sms, s) : nq == 2 ? launch<32, 2, L>(a, sms, s)
+                                                          : launch<32, 4, L>(a, sms, s);
     case 64:
-      return nq == 1 ? launch<64, 1, FP4>(a, sms, s) : launch<64, 2, FP4>(a, sms, s);
+      return nq == 1 ? launch<64, 1, L>(a, sms, s) : launch<64, 2, L>(a, sms, s);
     default:
-      return launch<128, 1, FP4>(a, sms, s);
+      return launch<128, 1, L>(a, sms, s);
   }
 }
 
@@ -161,7 +169,9 @@ extern "C" int dsq_paged_mqa_logits(const DsqPagedLogitsArgs* args, void* stream
   if (a.B == 0 || a.N == 0 || a.max_seq_len == 0) return cudaSuccess;
   const int sms = dsqdev::device_props(a.device).sm_count;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return a.layout == DSQ_SCORER_FP8_132 ? dispatch_h<false>(a, sms, s) : dispatch_h<true>(a, sms, s);
+  return a.layout == DSQ_SCORER_FP8_132   ? dispatch_h<DSQ_SCORER_FP8_132>(a, sms, s)
+         : a.layout == DSQ_SCORER_PACKED68 ? dispatch_h<DSQ_SCORER_PACKED68>(a, sms, s)
+                                           : dispatch_h<DSQ_SCORER_AITER_FP4>(a, sms, s);
 }
 
 extern "C" int dsq_paged_mqa_logits_layout(int64_t* out, int n) {

@@ -9,7 +9,8 @@
 // of the context (a split: small batches still fill every SM). Tiles go in pairs:
 //   * asynchronous copies bring a pair's keys into shared memory (kAhead pairs ahead of the one computed), fp8
 //     rows in the 128-byte swizzle that the matrix unit reads; positions past the context or whose page is out of
-//     range are zero-filled, never read;
+//     range are zero-filled, never read; a packed68 tile inside one page comes by two bulk copies (its payload and
+//     exponent bytes are contiguous there) on a barrier of its pair of stages;
 //   * the products (K = 128) go into two accumulator sets, so that one set's product runs while the other's
 //     epilogue does: the two tiles of a pair (NT <= 64), or the two halves of the q rows of a tile (NT = 128). The
 //     epilogue: relu (NaN kept) times the head weight, summed over the heads of each query (in the thread, then
@@ -36,6 +37,13 @@
 //                                           asynchronous 16-byte copies into shared memory, committed in groups;
 //                                           cp_wait<N> returns when at most N of this thread's groups are pending
 //   void async_fence();                     this thread's shared-memory writes made visible to the matrix unit
+//   void bar_init(uint64_t* b);             a shared-memory barrier of one arrival a phase (then a block barrier)
+//   void bulk_copy(void* smem, const void* g, int bytes, uint64_t* b);
+//                                           `bytes` (a multiple of 16, 16-byte aligned) copied by the copy engine,
+//                                           landing with b's current phase
+//   void bar_arrive(uint64_t* b); void bar_wait(uint64_t* b, int parity);
+//                                           completes b's phase; returns when the phase of that parity completed
+//                                           and its copies landed
 //   float relu_nan(float x);                max(x, 0), NaN kept
 //   template <int NT> void mma_ss(float (&acc)[NT / 2], const uint8_t* k_tile, const uint8_t* q_rows);
 //   template <int NT> void mma_rs(float (&acc)[NT / 2], const uint32_t (&a)[4][4], const uint8_t* q_rows);
@@ -97,7 +105,7 @@ constexpr int kLutEntries = 33;    // exponent distances 0..31 (31: every value 
 
 // Shared memory of one block, in bytes from a 1024-aligned base.
 struct SmemPlan {
-  int q, k, raw, scales, lut, w, pages, bad, total;
+  int q, k, raw, scales, lut, w, pages, bad, bars, total;
 };
 DSQ_HD SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
   const int kStages = stages_of(fp4);
@@ -116,11 +124,16 @@ DSQ_HD SmemPlan smem_plan(int nt, bool fp4, int n_pages) {
   }
   s.pages = s.w + nt * 4;
   s.bad = s.pages + n_pages * 4;                       // one int: some page of the read range is out of range
-  s.total = s.bad + 4;
+  s.bars = (s.bad + 4 + 7) / 8 * 8;                    // one barrier per pair of stages (bulk copies)
+  s.total = s.bars + kStages / 2 * 8;
   return s;
 }
 
 SC_FN int imin(int x, int y) { return x < y ? x : y; }
+// 2 relu(x) for a finite x or NaN (NaN kept): x + |x| is +0 for x <= 0 and exactly 2x above, one add on the FMA
+// pipe where max takes the ALU pipe, which the FP4 expansion keeps busy (the FP4 epilogue sums 2 relu and halves
+// the sums, exactly; fp8_132 tiles measured faster with max). Accumulators of e4m3 products are finite or NaN.
+SC_FN float relu2(float x) { return x + fabsf(x); }
 SC_FN int imax(int x, int y) { return x > y ? x : y; }
 
 // 16 and 8 bytes, aligned as such: one vector load or store each.
@@ -206,9 +219,11 @@ struct Geometry {
 // Block (split, group, b): sequence b, queries group * NQ .., tiles [split * tiles_per_block, ..) of the context.
 // smem: smem_plan(H * NQ, FP4, n_pages).total bytes, 1024-aligned; n_pages covers the block-table entries of the
 // split's tiles.
-template <int H, int NQ, bool FP4>
+template <int H, int NQ, int LAYOUT>
 SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group, int64_t b, int tiles_per_block,
                               int n_pages, int p_shift, uint8_t* smem) {
+  constexpr bool FP4 = LAYOUT != DSQ_SCORER_FP8_132;
+  constexpr bool packed68 = LAYOUT == DSQ_SCORER_PACKED68, aiter = LAYOUT == DSQ_SCORER_AITER_FP4;
   constexpr int NT = H * NQ;
   constexpr int kStages = stages_of(FP4);
   constexpr int kAhead = kStages / 2 - 1;   // pairs in flight ahead of the one computed
@@ -232,7 +247,15 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   // together with the context lengths (neither waits for the other) ---------------------------------
   const int e0 = geo.page_of(t0 * kTile);
   const int e_all = geo.page_of(imin(t1 * kTile, max_seq) - 1) + 1;
-  if (tid == 0) *sbad = 0;
+  // packed68 tiles that lie whole in one page come by two bulk copies (payload, exponents) that one thread issues,
+  // completing on the barrier of their pair of stages; other tiles by 16-byte copies of every thread.
+  constexpr int kPairs = kStages / 2;
+  uint64_t* sbars = reinterpret_cast<uint64_t*>(smem + plan.bars);
+  if (tid == 0) {
+    *sbad = 0;
+    if (packed68)
+      for (int i = 0; i < kPairs; ++i) bar_init(sbars + i);
+  }
   for (int e = e0 + tid; e < e_all; e += kThreads) {
     int64_t pg = e < a.max_blocks ? load_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype)
                                   : -1;
@@ -278,25 +301,23 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     return (tiles_in_pages || geo.in_page(base) + kTile <= P) && base + kTile <= read_end ? spages[geo.page_of(base) - e0]
                                                                                           : -1;
   };
-  // A whole tile at row o0 of its page is a fixed pattern of 16-byte copies: thread tid copies the same chunks of
-  // every whole tile, at fixed offsets from the stage and from row o0 of the page (o0 % 16 = 0 where the fp8 rows
-  // are preshuffled: P % 16 = 0 and tiles start at multiples of 64). fp8_132: chunk tid % 8 of rows tid / 8 + 16 u
-  // (2048 bytes apart in both orders); FP4: chunk tid % 4 of rows tid / 4 and tid / 4 + 32; the scales or
-  // exponents of rows 4 tid .. 4 tid + 3 (tid < 16).
-  const bool packed68 = FP4 && a.layout == DSQ_SCORER_PACKED68;
+  // A whole tile at row o0 of its page is a fixed pattern of 16-byte copies (packed68: two bulk copies): thread tid
+  // copies the same chunks of every whole tile, at fixed offsets from the stage and from row o0 of the page (o0 % 16
+  // = 0 where the fp8 rows are preshuffled: P % 16 = 0 and tiles start at multiples of 64). fp8_132: chunk tid % 8
+  // of rows tid / 8 + 16 u (2048 bytes apart in both orders), the scales of rows 4 tid .. 4 tid + 3 (tid < 16);
+  // aiter_fp4: chunk tid % 4 of rows tid / 4 and tid / 4 + 32.
   const int64_t page_bytes = static_cast<int64_t>(P) * (FP4 ? (packed68 ? dsq::kPacked68Row : 64) : dsq::kFp8132Row);
-  const int row_bytes = FP4 ? (packed68 ? 64 : 16) : 128;   // from the data of row o of a page to row o + 1's
+  const int row_bytes = FP4 ? 16 : 128;   // aiter_fp4, fp8_132: from the data of row o of a page to row o + 1's
   int wt_dst;                 // in a stage: the thread's first chunk
-  int64_t wt_src, wt_ssrc;    // in a page, for o0 = 0: the thread's first chunk, its scale (or exponent) chunk
+  int64_t wt_src, wt_ssrc;    // in a page, for o0 = 0: the thread's first chunk, its scale chunk (fp8_132)
   if constexpr (!FP4) {
     wt_dst = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
     wt_src = dsq::fp8_132_data_offset_at(dsq::SlotPos{0, tid >> 3}, P, (tid & 7) * 16, a.preshuffle != 0);
     wt_ssrc = dsq::fp8_132_scale_offset_at(dsq::SlotPos{0, tid * 4}, P);
   } else {
     wt_dst = raw_chunk(tid >> 2, tid & 3);
-    wt_src = packed68 ? dsq::packed68_payload_offset_at(dsq::SlotPos{0, tid >> 2}, P, (tid & 3) * 16)
-                      : dsq::aiter_fp4_data_offset_at(dsq::SlotPos{0, tid >> 2}, P, (tid & 3) * 16);
-    wt_ssrc = dsq::packed68_scale_offset_at(dsq::SlotPos{0, tid * 4}, P, 0);
+    wt_src = dsq::aiter_fp4_data_offset_at(dsq::SlotPos{0, tid >> 2}, P, (tid & 3) * 16);
+    wt_ssrc = 0;
   }
   auto issue = [&](int t, int s) {
     const int base = t * kTile;
@@ -310,13 +331,18 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
         DSQ_UNROLL
         for (int u = 0; u < 4; ++u) cp16(dst + u * 2048, src + u * dsq::kFp8132Rows16);
         if (tid < kTile / 4) cp16(sscale + s * kTile + tid * 4, page + 4 * o0 + wt_ssrc);
+      } else if constexpr (packed68) {
+        if (tid == 0) {
+          uint64_t* bar = sbars + s / 2;   // stages 2i, 2i + 1 hold pair slot i
+          const dsq::SlotPos sp{0, o0};
+          bulk_copy(sraw + s * (kTile * 64), page + dsq::packed68_payload_offset_at(sp, P, 0), kTile * 64, bar);
+          bulk_copy(sexp + s * 512, page + dsq::packed68_scale_offset_at(sp, P, 0), kTile * 4, bar);
+        }
       } else {
         uint8_t* dst = sraw + s * (kTile * 64) + wt_dst;
         cp16(dst, src);
         cp16(dst + 32 * 64, src + 32 * row_bytes);   // row m + 32: the same swizzle, 2048 bytes on
-        if (packed68) {
-          if (tid < kTile / 4) cp16(sexp + s * 512 + tid * 16, page + 4 * o0 + wt_ssrc);
-        } else if (tid < P / 4) {   // the page's 4 P exponent bytes
+        if (tid < P / 4) {   // the page's 4 P exponent bytes (aiter_fp4)
           cp16(sexp + s * 512 + tid * 16, a.kv_scale + static_cast<int64_t>(wpg) * 4 * P + tid * 16);
         }
       }
@@ -345,7 +371,6 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       }
     } else {
       uint8_t* dst_tile = sraw + s * (kTile * 64);
-      const bool aiter = a.layout == DSQ_SCORER_AITER_FP4;
       DSQ_UNROLL
       for (int i = 0; i < 2; ++i) {
         const int q = tid + kThreads * i, m = q >> 2, c = q & 3, p = base + m;
@@ -359,7 +384,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
         }
       }
       uint8_t* dst_exp = sexp + s * 512;
-      if (!aiter) {
+      if constexpr (packed68) {
         if (tid < kTile / 4) {
           const int m = tid * 4, p = base + m;
           const int pg = page_at(p);
@@ -396,6 +421,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     DSQ_UNROLL
     for (int k = 0; k < 2; ++k)
       if (2 * p + k < n_tiles) issue(t0 + 2 * p + k, (2 * p + k) % kStages);
+    if (packed68 && tid == 0) bar_arrive(sbars + p % kPairs);   // every pair completes a phase, copies or none
     cp_commit();
   };
   DSQ_UNROLL
@@ -439,7 +465,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
         DSQ_UNROLL
         for (int j = 0; j < 4; ++j) raw[j] = load16(src + 16 * j);
         const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
-        if (a.layout == DSQ_SCORER_PACKED68) {
+        if constexpr (packed68) {
           e = *reinterpret_cast<const uint32_t*>(qs + row * 4);
         } else {
           DSQ_UNROLL
@@ -493,7 +519,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       for (int hr = 0; hr < 2; ++hr) {
         const int m = m0 + 8 * hr;
         uint32_t e;
-        if (a.layout == DSQ_SCORER_PACKED68) {
+        if constexpr (packed68) {
           e = *reinterpret_cast<const uint32_t*>(ex + m * 4);
         } else {
           const int o = geo.in_page((t0 + i) * kTile + m);
@@ -592,11 +618,17 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
         for (int j = 0; j < 2; ++j) {
           float x0 = acc[PA][4 * c + j], x1 = acc[PA][4 * c + 2 + j];
           if constexpr (decltype(scaled)::value) {
-            x0 *= z.sk0;
-            x1 *= z.sk1;
+            x0 = relu_nan(x0 * z.sk0);
+            x1 = relu_nan(x1 * z.sk1);
+          } else if constexpr (FP4) {
+            x0 = relu2(x0);
+            x1 = relu2(x1);
+          } else {
+            x0 = relu_nan(x0);
+            x1 = relu_nan(x1);
           }
-          z.s0[k] = fmaf(wr[2 * cg + j], relu_nan(x0), z.s0[k]);
-          z.s1[k] = fmaf(wr[2 * cg + j], relu_nan(x1), z.s1[k]);
+          z.s0[k] = fmaf(wr[2 * cg + j], x0, z.s0[k]);
+          z.s1[k] = fmaf(wr[2 * cg + j], x1, z.s1[k]);
         }
       }
     };
@@ -613,6 +645,10 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     for (int qi = 0; qi < NQ; ++qi) {
       v[2 * qi] = z.s0[2 * qi] + z.s0[2 * qi + 1];
       v[2 * qi + 1] = z.s1[2 * qi] + z.s1[2 * qi + 1];
+      if constexpr (FP4) {   // sums of 2 relu (relu2), halved exactly
+        v[2 * qi] *= 0.5f;
+        v[2 * qi + 1] *= 0.5f;
+      }
     }
     float g[kSlots];
     dsq_quad::quad_reduce_scatter<V>(v, lane, g, [](float x, int m) { return shfl_xor(x, m); });
@@ -665,6 +701,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   // flight across iterations (the compiler keeps both in flight only then).
   for (int p = 0; 2 * p < n_tiles; ++p) {
     cp_wait<kAhead - 1>();
+    if (packed68) bar_wait(sbars + p % kPairs, (p / kPairs) & 1);
     if constexpr (!FP4) async_fence();
     block_sync();
     issue_pair(p + kAhead);

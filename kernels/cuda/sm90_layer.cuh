@@ -1,8 +1,9 @@
 // kernels/cuda/sm90_layer.cuh: the GPU side of the layer that the sm_90a block bodies (prefill_body.cuh,
 // scorer_body.cuh) are written against; their host emulators (tests/cpp) supply the other side. Thread index, block
-// barrier, 32-lane exchange, asynchronous 16-byte copies in groups, the proxy fence, the NaN-keeping relu, and the
-// warpgroup MMA of one tile: acc[64 x NT] = A[64 x 128] . B[NT x 128]^T in four 32-wide steps of wgmma.cuh's e4m3
-// instructions, started as one group. The MMA templates are instantiated from sm_90a code only.
+// barrier, 32-lane exchange, asynchronous 16-byte copies in groups, bulk copies on shared-memory barriers, the proxy
+// fence, the NaN-keeping relu, and the warpgroup MMA of one tile: acc[64 x NT] = A[64 x 128] . B[NT x 128]^T in
+// four 32-wide steps of wgmma.cuh's e4m3 instructions, started as one group. The MMA templates are instantiated
+// from sm_90a code only.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,17 @@ __device__ __forceinline__ void cp_wait() {
   dsq_ptx::cp_async_wait<N>();
 }
 __device__ __forceinline__ void async_fence() { dsq_ptx::fence_proxy_async(); }
+// Shared-memory barriers of one arrival and bulk copies that complete on them (ptx.cuh).
+__device__ __forceinline__ void bar_init(uint64_t* bar) {
+  dsq_ptx::mbar_init(bar, 1);
+  dsq_ptx::mbar_init_fence();
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes, uint64_t* bar) {
+  dsq_ptx::mbar_expect_tx(bar, bytes);
+  dsq_ptx::bulk_copy_g2s(dst, src, bytes, bar);
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) { dsq_ptx::mbar_arrive(bar); }
+__device__ __forceinline__ void bar_wait(uint64_t* bar, int parity) { dsq_ptx::mbar_wait(bar, parity); }
 __device__ __forceinline__ float relu_nan(float x) { return dsq_ptx::relu_nan(x); }
 
 // A and B in shared memory (K-major, 128-byte rows, the 128-byte swizzle, 1024-aligned).

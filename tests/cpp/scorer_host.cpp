@@ -31,10 +31,10 @@ namespace {
 
 int64_t slots = 8;   // resident blocks of the emulated device (the split plan's input)
 
-template <int H, int NQ, bool FP4>
+template <int H, int NQ, int LAYOUT>
 void run(const DsqPagedLogitsArgs& a) {
   const dsqsc::Plan p = dsqsc::plan(a, NQ, slots);
-  const int bytes = dsqsc::smem_plan(H * NQ, FP4, p.n_pages).total;
+  const int bytes = dsqsc::smem_plan(H * NQ, LAYOUT != DSQ_SCORER_FP8_132, p.n_pages).total;
   std::vector<uint8_t> raw(bytes + 1024);
   uint8_t* smem = raw.data() + ((1024 - reinterpret_cast<uintptr_t>(raw.data()) % 1024) % 1024);
   const int64_t P = a.page_size;
@@ -46,31 +46,31 @@ void run(const DsqPagedLogitsArgs& a) {
     sm90emu::begin_block(smem, bytes);
     const int split = static_cast<int>(id % p.splits), group = static_cast<int>(id / p.splits % p.groups);
     emu::run_block(id, dsqsc::kThreads, [&] {
-      dsqsc::paged_logits_block<H, NQ, FP4>(a, split, group, id / per_b, p.tiles_per_block, p.n_pages, p.p_shift,
-                                            smem);
+      dsqsc::paged_logits_block<H, NQ, LAYOUT>(a, split, group, id / per_b, p.tiles_per_block, p.n_pages, p.p_shift,
+                                               smem);
     });
     sm90emu::end_block();
   });
 }
 
-template <bool FP4>
+template <int L>
 void dispatch(const DsqPagedLogitsArgs& a) {
   const int nq = dsqsc::queries_per_block(a);
   switch (a.H) {
     case 16:
-      if (nq == 1) return run<16, 1, FP4>(a);
-      if (nq == 2) return run<16, 2, FP4>(a);
-      if (nq == 4) return run<16, 4, FP4>(a);
-      return run<16, 8, FP4>(a);
+      if (nq == 1) return run<16, 1, L>(a);
+      if (nq == 2) return run<16, 2, L>(a);
+      if (nq == 4) return run<16, 4, L>(a);
+      return run<16, 8, L>(a);
     case 32:
-      if (nq == 1) return run<32, 1, FP4>(a);
-      if (nq == 2) return run<32, 2, FP4>(a);
-      return run<32, 4, FP4>(a);
+      if (nq == 1) return run<32, 1, L>(a);
+      if (nq == 2) return run<32, 2, L>(a);
+      return run<32, 4, L>(a);
     case 64:
-      if (nq == 1) return run<64, 1, FP4>(a);
-      return run<64, 2, FP4>(a);
+      if (nq == 1) return run<64, 1, L>(a);
+      return run<64, 2, L>(a);
     default:
-      return run<128, 1, FP4>(a);
+      return run<128, 1, L>(a);
   }
 }
 
@@ -87,9 +87,11 @@ int dsq_paged_mqa_logits(const DsqPagedLogitsArgs* args, void*) {
     if (!dsqsc::supported(a)) return kNotSupported;
     if (a.B == 0 || a.N == 0 || a.max_seq_len == 0) return 0;
     if (a.layout == DSQ_SCORER_FP8_132)
-      dispatch<false>(a);
+      dispatch<DSQ_SCORER_FP8_132>(a);
+    else if (a.layout == DSQ_SCORER_PACKED68)
+      dispatch<DSQ_SCORER_PACKED68>(a);
     else
-      dispatch<true>(a);
+      dispatch<DSQ_SCORER_AITER_FP4>(a);
     return 0;
   });
 }

@@ -11,6 +11,8 @@
 //     gathered from the four lanes that hold it); thread t (warp w, lane l) gets row 16 w + l / 4 + 8 i, column
 //     8 c + 2 (l % 4) + j in acc[4 c + 2 i + j]; products of e4m3fn values summed in fp32 in the order of k. Until
 //     then the accumulators hold NaN;
+//   * bulk_copy records a copy against a shared-memory barrier's current phase; it lands when a thread's bar_wait
+//     retires that phase (bar_arrive completes it: one arrival a phase);
 //   * shared memory starts as garbage (0xA5 bytes) in every block (begin_block).
 // Faults inside a block (fibers cannot throw) are kept and thrown by end_block.
 #pragma once
@@ -44,7 +46,20 @@ struct Mma {
   uint8_t a_rows[2][128];
 };
 
+// A bulk copy, and a shared-memory barrier of one arrival a phase with the copies that complete on it.
+struct Bulk {
+  void* dst;
+  const void* src;
+  int bytes, phase;
+};
+struct Barrier {
+  int phase = 0;              // phases completed (arrivals)
+  int waited[128] = {};       // per thread: phases waited for
+  std::vector<Bulk> copies;   // not landed yet
+};
+
 inline Pending pending[128];
+inline std::vector<std::pair<const void*, Barrier>> barriers;
 inline std::vector<Mma> mmas[128];
 inline uint32_t frag_board[128][4][4];       // the fragments every thread passes to the current mma_rs
 inline uint8_t* smem_base = nullptr;         // the block's shared memory (1024-aligned)
@@ -84,6 +99,55 @@ inline void cp_wait() {
   }
 }
 inline void async_fence() {}
+inline Barrier* barrier_at(uint64_t* bar) {
+  for (auto& b : barriers)
+    if (b.first == bar) return &b.second;
+  report("emulated barrier: not initialised");
+  return nullptr;
+}
+inline void bar_init(uint64_t* bar) {
+  const uint8_t* d = reinterpret_cast<const uint8_t*>(bar);
+  if (d < smem_base || d + 8 > smem_base + smem_bytes || (d - smem_base) % 8 != 0)
+    return report("emulated barrier: not 8 aligned bytes of shared memory");
+  for (auto& b : barriers)
+    if (b.first == bar) {
+      b.second = Barrier{};
+      return;
+    }
+  barriers.emplace_back(bar, Barrier{});
+}
+inline void bulk_copy(void* dst, const void* src, int bytes, uint64_t* bar) {
+  const uint8_t* p = static_cast<const uint8_t*>(src);
+  const uint8_t* d = static_cast<const uint8_t*>(dst);
+  bool inside = false;
+  for (const auto& r : sources) inside = inside || (p >= r.first && p + bytes <= r.second);
+  if (!inside) return report("emulated bulk copy: bytes outside the inputs");
+  if (bytes <= 0 || bytes % 16 != 0 || d < smem_base || d + bytes > smem_base + smem_bytes)
+    return report("emulated bulk copy: not a multiple of 16 bytes inside shared memory");
+  if ((d - smem_base) % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    return report("emulated bulk copy: not 16-byte aligned");
+  if (Barrier* b = barrier_at(bar)) b->copies.push_back(Bulk{dst, src, bytes, b->phase});
+}
+inline void bar_arrive(uint64_t* bar) {
+  if (Barrier* b = barrier_at(bar)) ++b->phase;
+}
+// Waits for the next phase this thread has not waited for: its parity must be `parity`, and it must have completed
+// (a thread of a fiber cannot spin: waiting for a phase nobody arrived on is a fault). Its copies land.
+inline void bar_wait(uint64_t* bar, int parity) {
+  Barrier* b = barrier_at(bar);
+  if (!b) return;
+  int& w = b->waited[emu::thread_id()];
+  if ((w & 1) != parity) return report("emulated barrier: waits with the parity of another phase");
+  if (b->phase <= w) return report("emulated barrier: waits for a phase no thread arrived on");
+  for (auto it = b->copies.begin(); it != b->copies.end();)
+    if (it->phase <= w) {
+      std::memcpy(it->dst, it->src, it->bytes);
+      it = b->copies.erase(it);
+    } else {
+      ++it;
+    }
+  ++w;
+}
 inline float relu_nan(float x) { return x != x ? x : (x > 0.0f ? x : 0.0f); }
 
 // Byte k of row r of a K-major 128-byte-swizzled tile at `tile`, as the matrix unit reads it.
@@ -169,11 +233,14 @@ inline void begin_block(uint8_t* smem, int bytes) {
   std::memset(smem, 0xA5, bytes);
   for (Pending& q : pending) q = Pending{};
   for (std::vector<Mma>& m : mmas) m.clear();
+  barriers.clear();
 }
 // After a block: what it left in flight, and the first fault seen inside it, thrown.
 inline void end_block() {
   for (const Pending& q : pending)
     if (!q.groups.empty() || !q.open.empty()) report("emulated block exited with copies in flight");
+  for (const auto& b : barriers)
+    if (!b.second.copies.empty()) report("emulated block exited with bulk copies in flight");
   for (std::vector<Mma>& m : mmas)
     if (!m.empty()) {
       report("emulated block exited with an MMA in flight");

@@ -66,11 +66,14 @@ DSQ_HD void fold_expand8(uint32_t w, uint32_t lo, uint32_t hi, uint32_t& x, uint
 
 // The scale a folded row keeps, 2^(emax - 127 - kFoldShift), from bits; 0 for an all-zero-scale row, NaN for a
 // block with the NaN scale 255 (SPEC §3).
+// Selects, not branches: the scorers compute it for every key row of a tile.
 DSQ_HD float fold_scale(int emax) {
-  if (emax == 255) return u2f(0x7FC00000u);
-  if (emax == 0) return 0.f;
   const int e = emax - kFoldShift;
-  return e >= 1 ? u2f(static_cast<uint32_t>(e) << 23) : u2f(1u << (e + 22));
+  const uint32_t normal = static_cast<uint32_t>(e) << 23;
+  const uint32_t sub = 1u << ((e + 22) & 31);   // emax 1..6: the subnormals 2^-126 .. 2^-131
+  uint32_t bits = e >= 1 ? normal : sub;
+  bits = emax == 0 ? 0u : bits;
+  return u2f(emax == 255 ? 0x7FC00000u : bits);
 }
 
 }  // namespace dsq
