@@ -33,13 +33,15 @@ using dsqsc::kThreads;
 using dsqsc::kTile;
 using dsqsc::smem_plan;
 
-// Blocks per SM the register allocation must allow (1: no limit). FP4 tiles of NT <= 64 query rows hold two
-// A-fragment sets besides the accumulators. packed68 kernels bounded to 128 registers fit four blocks an SM, which
-// measured faster than three (H100, packed68 (64, 1, 8192) 27.0 µs against 27.7, (1, 1, 65536) 6.3 against 7.2);
-// aiter_fp4 kernels, whose exponent gathers need more registers, spill at 128 and measured faster with three
-// (aiter_fp4 (64, 1, 8192) 32.0 µs against 33.7, (4, 1, 32768) uniform 11.5 against 12.0; only (1, 1, 65536) was
-// slower, 8.6 against 8.1). FP4 tiles of 128 rows (two 64-row accumulator sets and one fragment set) are bounded
-// to three blocks an SM (168 registers, no spills); fp8_132 kernels are not bounded (at most 154 registers).
+// Blocks per SM the register allocation must allow (1: no limit). FP4 tiles of 64 query rows keep one accumulator
+// set and fit five blocks an SM (96 registers; scorer_body.cuh, DSQ_SCORER_DUAL_MAX_ROWS_FP4). Narrower FP4 tiles
+// hold two accumulator and two A-fragment sets: packed68 kernels bounded to four blocks an SM (128 registers),
+// aiter_fp4 ones, whose exponent gathers need more registers and spill at 128, to three; so measured best when
+// tiles of 64 rows kept two sets (H100: packed68 (64, 1, 8192) 27.0 µs with four blocks against 27.7 with three,
+// (1, 1, 65536) 6.3 against 7.2; aiter_fp4 (64, 1, 8192) 32.0 µs with three against 33.7 with four, (4, 1, 32768)
+// uniform 11.5 against 12.0, (1, 1, 65536) 8.6 against 8.1). FP4 tiles of 128 rows (two 64-row accumulator sets
+// and one fragment set) are bounded to three blocks an SM (168 registers, no spills); fp8_132 kernels are not
+// bounded (at most 154 registers).
 #ifndef DSQ_SCORER_MIN_CTAS_FP8
 #define DSQ_SCORER_MIN_CTAS_FP8 1
 #endif
@@ -52,11 +54,15 @@ using dsqsc::smem_plan;
 #ifndef DSQ_SCORER_MIN_CTAS_FP4_WIDE
 #define DSQ_SCORER_MIN_CTAS_FP4_WIDE 3
 #endif
+#ifndef DSQ_SCORER_MIN_CTAS_FP4_SINGLE
+#define DSQ_SCORER_MIN_CTAS_FP4_SINGLE 5
+#endif
 template <int NT, int LAYOUT>
-constexpr int kMinCtas = LAYOUT == DSQ_SCORER_FP8_132 ? (NT > 64 ? 1 : DSQ_SCORER_MIN_CTAS_FP8)
-                         : NT > 64                    ? DSQ_SCORER_MIN_CTAS_FP4_WIDE
-                         : LAYOUT == DSQ_SCORER_PACKED68 ? DSQ_SCORER_MIN_CTAS_FP4
-                                                         : DSQ_SCORER_MIN_CTAS_AITER;
+constexpr int kMinCtas = LAYOUT == DSQ_SCORER_FP8_132          ? (NT > 64 ? 1 : DSQ_SCORER_MIN_CTAS_FP8)
+                         : NT > 64                             ? DSQ_SCORER_MIN_CTAS_FP4_WIDE
+                         : NT > dsqsc::dual_max_rows(true)     ? DSQ_SCORER_MIN_CTAS_FP4_SINGLE
+                         : LAYOUT == DSQ_SCORER_PACKED68       ? DSQ_SCORER_MIN_CTAS_FP4
+                                                               : DSQ_SCORER_MIN_CTAS_AITER;
 constexpr bool is_fp4(int layout) { return layout != DSQ_SCORER_FP8_132; }
 
 // One kernel per layout (DSQ_SCORER_*): each holds only its own copy and expansion code.

@@ -94,9 +94,17 @@ static_assert(DSQ_SCORER_STAGES_FP4 % 2 == 0 && DSQ_SCORER_STAGES_FP4 >= 4, "DSQ
 // keys read again from L2 by each query's block) measured slower on the H100: fp8_132 (4, 4, 32768) 18.3 µs
 // against 16.6 and (64, 2, 8192) 33.4 against 30.0; the FP4 layouts, which expand the keys again in every
 // block, 30 to 50 % slower.
+// FP4 tiles of 64 rows keep one set (96 registers, five blocks an SM), which measured faster than two (four blocks
+// an SM) on the H100: packed68 (64, 1, 8192) 25.9 µs against 26.6, aiter_fp4 31.3 against 31.9 and (1, 1, 65536)
+// 8.1 against 8.6; four blocks of one set (80 registers) spilled and measured slower at (4, 1, 32768) (9.5 against
+// 8.9).
 #ifndef DSQ_SCORER_DUAL_MAX_ROWS
 #define DSQ_SCORER_DUAL_MAX_ROWS 64
 #endif
+#ifndef DSQ_SCORER_DUAL_MAX_ROWS_FP4
+#define DSQ_SCORER_DUAL_MAX_ROWS_FP4 32
+#endif
+DSQ_HD constexpr int dual_max_rows(bool fp4) { return fp4 ? DSQ_SCORER_DUAL_MAX_ROWS_FP4 : DSQ_SCORER_DUAL_MAX_ROWS; }
 constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
@@ -487,15 +495,15 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   }
 
   // Two accumulator sets of NS q rows each:
-  //   * dual (NT <= DSQ_SCORER_DUAL_MAX_ROWS): a set per tile of a pair, tile 2p + 1's product running while tile
+  //   * dual (NT <= dual_max_rows(FP4)): a set per tile of a pair, tile 2p + 1's product running while tile
   //     2p's epilogue does (FP4: two sets of A fragments as well, read by the instruction until it completes);
   //   * split (NT = 128, FP4: 64 accumulator registers): a set per half of the q rows (64 each) of one tile, the
   //     second half's product running while the first half's head sums do (the tile's A fragments built once for
   //     both halves);
-  //   * single (NT = 128, fp8_132): one set of all 128 rows, the tiles one after the other (split like FP4's, it
-  //     reads the key tile twice from shared memory and measured within 1 % of this on the H100).
+  //   * single (NT = 128 fp8_132, NT = 64 FP4): one set of all NT rows, the tiles one after the other (fp8_132
+  //     split like FP4's reads the key tile twice from shared memory and measured within 1 % of this on the H100).
   // Two sets of 128 rows would halve the resident blocks (DSQ_SCORER_DUAL_MAX_ROWS = 128 is a variant to time).
-  constexpr bool kDual = NT <= DSQ_SCORER_DUAL_MAX_ROWS;
+  constexpr bool kDual = NT <= dual_max_rows(FP4);
   constexpr bool kSplit = !kDual && NT == 128 && FP4;
   constexpr int NS = kSplit ? 64 : NT;
   float acc[2][NS / 2];
