@@ -153,6 +153,18 @@ def test_splits_and_block_orders(lib, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_long_blocks(lib, layout):
+    """Blocks of many tile pairs (full contexts of 1500 positions, one or two blocks a sequence): the stage ring and
+    the copy barriers' phases wrap several times (a barrier waited on with the wrong phase, or a stage refilled
+    before it was read, shows in the logits or as an emulator fault)."""
+    a = make(layout, 2, 1, 64, 1500, seed=12)
+    a["context_lens"] = torch.tensor([1500, 1437], dtype=torch.int32)
+    for splits in (1, 2):
+        out, _ = emulate(lib, a, layout, 64, splits=splits)
+        check(out, a, layout, 64, f"{layout} long blocks, splits={splits}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_hostile_tables(lib, layout):
     """Page ids outside [0, num_blocks), contexts past max_seq_len, past the table and negative: the reference's
     values and -inf pattern, no copy outside the cache (the emulator checks every one), and the error flag."""
