@@ -12,7 +12,8 @@
 //     range are zero-filled, never read; a packed68 tile inside one page comes by two bulk copies (its payload and
 //     exponent bytes are contiguous there) on a barrier of its pair of stages;
 //   * the products (K = 128) go into two accumulator sets, so that one set's product runs while the other's
-//     epilogue does: the two tiles of a pair (NT <= 64), or the two halves of the q rows of a tile (NT = 128). The
+//     epilogue does: the two tiles of a pair (NT <= 64; FP4 NT <= 32), or the two halves of the q rows of a tile
+//     (FP4 NT = 128); other tiles keep one set (more blocks an SM hide their epilogue). The
 //     epilogue: relu (NaN kept) times the head weight, summed over the heads of each query (in the thread, then
 //     across the four lanes of a row), times the row scale and weight_scale, stored; -inf past the context;
 //   * FP4 layouts feed the product's A operand from registers: lane q of a quad expands block q (32 codes, one
@@ -339,7 +340,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
         DSQ_UNROLL
         for (int u = 0; u < 4; ++u) cp16(dst + u * 2048, src + u * dsq::kFp8132Rows16);
         if (tid < kTile / 4) cp16(sscale + s * kTile + tid * 4, page + 4 * o0 + wt_ssrc);
-      } else if constexpr (packed68) {
+      } else if constexpr (packed68) {   // 16-byte aligned: P and o0 are multiples of 4
         if (tid == 0) {
           uint64_t* bar = sbars + s / 2;   // stages 2i, 2i + 1 hold pair slot i
           const dsq::SlotPos sp{0, o0};
