@@ -204,11 +204,11 @@ def test_aiter_pages_across_tiles_are_left_to_triton(lib):
     assert bool((out == UNTOUCHED).all())
 
 
-@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_DUAL_MAX_ROWS=128",),
+@pytest.mark.parametrize("flags", [("-DDSQ_SCORER_DUAL_MAX_ROWS=128", "-DDSQ_SCORER_DUAL_MAX_ROWS_FP4=128"),
                                    ("-DDSQ_SCORER_STAGES_FP8=6", "-DDSQ_SCORER_STAGES_FP4=8")],
                          ids=["dual-128-rows", "deeper-pipelines"])
 def test_build_variants(flags):
-    """The build variants give the same logits: two accumulator sets of 128 q rows (DSQ_SCORER_DUAL_MAX_ROWS=128),
+    """The build variants give the same logits: two accumulator sets of up to 128 q rows (DSQ_SCORER_DUAL_MAX_ROWS*),
     and more tile pairs in flight (DSQ_SCORER_STAGES_*: the stage ring wraps at another count, more copy groups
     pending), over contexts of many pairs and splits that end inside the ring."""
     lib = load(flags)
