@@ -170,19 +170,29 @@ DSQ_HD float canonical_sum_n(const float* x, int n) {
 }
 
 // ---- SPEC §0.7: exp_ds, the one exponential of format math (x <= 0) ----------------------------
-// Out of the domain it mirrors the reference: +Inf is evaluated as 0 (gives 1), x > 0 clamps
-// n to 200 and the exponent to 254. Written without branches (every case is computed and the result
-// selected), so that a kernel evaluating many of them side by side keeps them in flight together.
-DSQ_HD float exp_ds(float x) {
-  const bool nan = is_nan(x), inf = is_inf(x);
-  const float xs = (nan || inf) ? 0.0f : x;
+// Its range reduction and polynomial for a finite x: n = rint(x * log2 e) and p, the polynomial of the remainder
+// (exp_ds(x) = p * 2^n before the exponent's clamps). Shared by exp_ds and by dsq::pool_exp (pool.h), its form for
+// the pool's arguments.
+struct ExpDsParts {
+  float n, p;
+};
+DSQ_HD ExpDsParts exp_ds_parts(float xs) {
   const float n = rint_f(fmul(xs, u2f(0x3FB8AA3Bu)));                        // rint(x * log2 e)
   const float r = fsub(fsub(xs, fmul(n, u2f(0x3F317200u))), fmul(n, u2f(0x35BFBE8Eu)));
   const uint32_t poly[6] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu, 0x3F000000u, 0x3F800000u};
   float a = u2f(0x39500D01u);                                                 // 1/7!
   for (int k = 0; k < 6; ++k) a = fadd(u2f(poly[k]), fmul(r, a));            // 1/6! .. 1/1!
-  const float p = fadd(1.0f, fmul(r, a));
-  const int ni = static_cast<int>(clamp_hi(clamp_lo(n, -200.0f), 200.0f));
+  return ExpDsParts{n, fadd(1.0f, fmul(r, a))};
+}
+
+// Out of the domain it mirrors the reference: +Inf is evaluated as 0 (gives 1), x > 0 clamps
+// n to 200 and the exponent to 254. Written without branches (every case is computed and the result
+// selected), so that a kernel evaluating many of them side by side keeps them in flight together.
+DSQ_HD float exp_ds(float x) {
+  const bool nan = is_nan(x), inf = is_inf(x);
+  const ExpDsParts q = exp_ds_parts((nan || inf) ? 0.0f : x);
+  const float p = q.p;
+  const int ni = static_cast<int>(clamp_hi(clamp_lo(q.n, -200.0f), 200.0f));
   // ni >= -126: p * 2^ni with the biased exponent clamped into [1, 254]; below: p * 2^(ni+64) (exact) times
   // 2^-64, one rounding into subnormals; below -151 (or x = -Inf): 0.
   const bool normal = ni >= -126;

@@ -39,14 +39,9 @@ DSQ_HD void pool_max_merge(PoolMax& a, float m) { a.m = fmax_nan(a.m, m); }
 // included) gives n in [-289, 0], where exp_ds's clamps of n and of the exponent never act and every n below -151
 // gives 0, as -Inf does. tests/test_header_compress_host.py holds it to exp_ds over every such x.
 DSQ_HD float pool_exp(float sig, float m) {
-  const float x = fmax_nn(fsub(sig, m), -200.0f);
-  const float n = rint_f(fmul(x, u2f(0x3FB8AA3Bu)));
-  const float r = fsub(fsub(x, fmul(n, u2f(0x3F317200u))), fmul(n, u2f(0x35BFBE8Eu)));
-  const uint32_t poly[6] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu, 0x3F000000u, 0x3F800000u};
-  float a = u2f(0x39500D01u);
-  for (int k = 0; k < 6; ++k) a = fadd(u2f(poly[k]), fmul(r, a));
-  const float p = fadd(1.0f, fmul(r, a));
-  const int ni = static_cast<int>(n);
+  const ExpDsParts q = exp_ds_parts(fmax_nn(fsub(sig, m), -200.0f));
+  const float p = q.p;
+  const int ni = static_cast<int>(q.n);
   const bool normal = ni >= -126;
   float y = fmul(p, pow2(normal ? ni + 127 : (ni + 191 > 0 ? ni + 191 : 1)));
   y = normal ? y : fmul(y, pow2(63));
