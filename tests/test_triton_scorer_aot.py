@@ -37,7 +37,6 @@ kind, arch, warp, native_flavour = json.loads(sys.argv[1])
 dot_re, fp8_re = json.loads(sys.argv[2])
 target = GPUTarget(kind, arch, warp)
 fnuz_native = native_flavour == "e4m3fnuz"
-stages = 2 if kind == "hip" else 3
 configs = [
     # layout, N, H, page, kwargs, expects native fp8 instruction
     ("fp8_132", 1, 64, 64, dict(fp8_native=True, fnuz=fnuz_native), True),
@@ -57,8 +56,9 @@ configs = [
 for layout, N, H, P, kw, fp8 in configs:
     res = dict(layout=layout, N=N, H=H, P=P, kw=kw)
     try:
-        nw = S.launch_options(N, H)["num_warps"]
-        k = S.aot_compile(target, layout, N=N, H=H, page_size=P, num_warps=nw, num_stages=stages, **kw)
+        opts = S.launch_options(N, H, target=kind)   # the launcher's own warps and stages for the platform
+        k = S.aot_compile(target, layout, N=N, H=H, page_size=P, num_warps=opts["num_warps"],
+                          num_stages=opts["num_stages"], **kw)
         asm = k.asm.get("ptx") or k.asm.get("amdgcn") or ""
         res["binary"] = sorted(x for x in ("cubin", "hsaco") if k.asm.get(x))
         res["dot"] = bool(re.search(dot_re, asm))

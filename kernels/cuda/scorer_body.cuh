@@ -79,7 +79,9 @@ constexpr int kTile = 64;          // KV positions per tile: the product's M sid
 // Tile stages in shared memory, per key format: pairs of tiles, stages / 2 - 1 pairs in flight ahead of the one
 // computed. More stages measured slower on the H100 (dev/tune_scorer.py): FP4 with 6 or 8 (packed68 at (64, 1,
 // 8192) 34.3 µs against 31.5; the FP4 tiles are bound by their expansion, not by the bytes in flight), fp8_132
-// with 6 (31.1 against 29.6).
+// with 6 (31.1 against 29.6); also where tiles of 128 q rows leave room for more stages at no cost in resident
+// blocks: fp8_132 (4, 4, 32768) 17.3 µs with 6 and 19.5 with 8 against 16.7, (64, 2, 8192) 31.0 and 35.6 against
+// 30.1 (those blocks wait on their own serial product and epilogue, at three warps a scheduler, not on copies).
 #ifndef DSQ_SCORER_STAGES_FP8
 #define DSQ_SCORER_STAGES_FP8 4
 #endif
@@ -783,7 +785,8 @@ inline int queries_per_block(const DsqPagedLogitsArgs& a) {
 }
 
 // The launch's grid (splits x groups x B) and the arguments of paged_logits_block, for `slots` blocks resident at
-// once: splits <= 0 takes as many blocks as fit at once (one wave, no tail).
+// once: splits <= 0 takes as many blocks as fit at once (one wave, no tail). Fewer or more splits measured slower
+// on the H100 (fp8_132 (4, 4, 32768): 47 splits, the one wave, 16.7 µs; 24 splits 22.9; 96 splits 20.3).
 struct Plan {
   int splits, groups, tiles_per_block, n_pages, p_shift;
 };
