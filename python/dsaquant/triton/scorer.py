@@ -412,10 +412,9 @@ def queries_per_program(N: int, H: int) -> int:
 @functools.lru_cache(maxsize=None)
 def launch_options(N: int, H: int, target: str | None = None) -> dict:
     """num_warps / num_stages for one configuration on `target` ("cuda" or "hip"; None: the platform of this
-    torch build); do not mutate the returned dict. NVIDIA: five stages, which
-    give the cache tiles two buffers (the block-table load takes a stage of the pipeline); measured on the H100
-    against three and seven stages ((64, 1, 8192) fp8_132: 39.3 µs against 43.5 and 41.7; (64, 2, 8192): 72.2
-    against 90.8 and 77.4)."""
+    torch build); do not mutate the returned dict. NVIDIA: five stages, which give the cache tiles two buffers
+    (the block-table load takes a stage of the pipeline); measured on the H100 against three and seven stages
+    ((64, 1, 8192) fp8_132: 39.3 µs against 43.5 and 41.7; (64, 2, 8192): 72.2 against 90.8 and 77.4)."""
     nhp = max(16, _next_pow2(queries_per_program(N, H) * H))
     is_hip = bool(getattr(torch.version, "hip", None)) if target is None else target == "hip"
     return dict(num_warps=8 if nhp >= 128 else 4, num_stages=2 if is_hip else 5)
