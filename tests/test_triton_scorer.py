@@ -29,7 +29,8 @@ LAYOUTS = ("fp8_132", "packed68", "aiter_fp4")
 
 
 # =====================================================================================================
-# the cases: id -> dict(make=make_case kwargs, knobs=launcher kwargs, tol="exact"|"native", kind=...)
+# the cases: id -> dict(make=make_case kwargs, knobs=launcher kwargs, tol="exact"|"native", kind=..., flagged=
+#            whether the Triton call must raise the page-out-of-range flag)
 # =====================================================================================================
 def _cases():
     c = {}
@@ -52,6 +53,14 @@ def _cases():
                                                  bad_pages=True))
         c[f"{layout}-ctx-past-L"] = dict(make=dict(layout=layout, N=2, H=16, seed=9, ctxs=[100, 40], L=64))
         c[f"{layout}-tiny"] = dict(make=dict(layout=layout, N=1, H=16, seed=9, ctxs=[1, 3], L=3))
+        # hostile tables: a table of two pages' columns under longer contexts (positions past it: -inf, flagged),
+        # context lengths past max_seq_len, negative and zero; one block-table entry a tile (P = 64) and one a
+        # position (P = 32)
+        for P in (64, 32):
+            c[f"{layout}-hostile-P{P}"] = dict(
+                make=dict(layout=layout, N=2, H=16, P=P, seed=21 + P, ctxs=[200, 150, 130], L=160, table_cols=2,
+                          ctx_override=[[200, -4], [150, 0], [97, 129]]),
+                flagged=True)
     for flavour in ("e4m3fn", "e4m3fnuz"):
         for native in (False, True):
             if native and flavour == "e4m3fnuz":
@@ -107,10 +116,11 @@ if __name__ != "__main__":
 # =====================================================================================================
 def make_case(layout, B=3, N=1, H=16, P=64, seed=0, ctxs=None, L=None, per_query_ctx=False, flavour="e4m3fn",
               preshuffle=False, extra_cols=2, bad_pages=False, w_shape3=False, w_dtype=None, idx_dtype=None,
-              q_scale_int32=False, nan=False, fp8_nan_free=True):
+              q_scale_int32=False, nan=False, fp8_nan_free=True, table_cols=None, ctx_override=None):
     """Positional arguments of the scorer (the reference's order) for a random case: random codes and
     exponents, each sequence on its own random pages, block-table columns past the context filled with
-    ids far outside the cache (never to be read)."""
+    ids far outside the cache (never to be read). `table_cols`: the table cut to that many columns;
+    `ctx_override`: the context lengths ([B] or [B][N]) given instead of those the pages were made for."""
     import torch
     from dsaquant.reference.fp8 import fp8_encode
     from dsaquant.reference.layouts import aiter_q_scale_pad, write_aiter_q_scale
@@ -138,8 +148,12 @@ def make_case(layout, B=3, N=1, H=16, P=64, seed=0, ctxs=None, L=None, per_query
         for b in range(B):
             if need[b] >= 2:
                 tables[b, 1] = NB + 5 if b % 2 else -3
+    if table_cols is not None:
+        tables = tables[:, :table_cols].contiguous()
     tables = tables.to(idx_dtype)
-    if per_query_ctx:   # MTP: query n of sequence b sees ctx - (N - 1 - n) positions
+    if ctx_override is not None:
+        ctx = torch.tensor(ctx_override, dtype=idx_dtype)
+    elif per_query_ctx:   # MTP: query n of sequence b sees ctx - (N - 1 - n) positions
         ctx = torch.tensor([[max(0, c - (N - 1 - n)) for n in range(N)] for c in ctxs], dtype=idx_dtype)
     else:
         ctx = torch.tensor(ctxs, dtype=idx_dtype)
@@ -229,6 +243,14 @@ def run_case(case):
                                    weight_scale=ws, backend="triton")
         direct = run_scorer(S.paged_mqa_logits, *args)
         return dict(ok=bool(torch.equal(out, direct)), note="dispatch result differs from the direct call")
+    if case.get("flagged"):   # the Triton kernel alone raises the page flag (positions past the table)
+        from dsaquant import codes, errors
+        flag = errors.flag_tensor(args[0].device)
+        flag.zero_()
+        run_scorer(S.paged_mqa_logits, *args, **case.get("knobs", {}))
+        if not int(flag.item()) & int(codes.ErrFlag.page_out_of_range):
+            return dict(ok=False, note="the page-out-of-range flag was not raised")
+        flag.zero_()
     tol = S.TOL_NATIVE_FP8 if case.get("tol") == "native" else S.TOL_EXACT_PRODUCTS
     worst, note = check(args, tol, case.get("knobs", {}))
     if worst is None:
