@@ -55,13 +55,15 @@ def topk_cases():
         ctx = torch.tensor([3000, -5, 9999], dtype=torch.int32, device=dev)
         topk_indices(logits, k, context_lens=ctx, next_n=2, backend=on("topk_indices"))
     topk_indices(torch.empty(0, 3000, device=dev), 16, ks=ks[:0], ke=ke[:0], backend=on("topk_indices"))
-    # rows of 70000: on NVIDIA sm_90 the cached-row path in clusters of four blocks (spans across the blocks' parts)
-    long = torch.randn(3, 70000, device=dev, generator=g)
-    long[1, 30000:40000] = 0.25
-    lks = torch.tensor([0, 100, 69000], dtype=torch.int32, device=dev)
-    lke = torch.tensor([70000, 50000, 80000], dtype=torch.int32, device=dev)
-    for k in (64, 2048):
-        topk_indices(long, k, ks=lks, ke=lke, backend=on("topk_indices"))
+    # rows of 70000 and 140000: on NVIDIA sm_90 the cached-row path in clusters of 8 and 16 blocks (the plan's
+    # spread; spans across the blocks' parts)
+    for L, n in ((70000, 3), (140000, 2)):
+        long = torch.randn(n, L, device=dev, generator=g)
+        long[1, 30000:40000] = 0.25
+        lks = torch.tensor([0, 100, L - 1000][:n], dtype=torch.int32, device=dev)
+        lke = torch.tensor([L, 50000, L + 10000][:n], dtype=torch.int32, device=dev)
+        for k in (64, 2048):
+            topk_indices(long, k, ks=lks, ke=lke, backend=on("topk_indices"))
 
 
 def prefill_cases():

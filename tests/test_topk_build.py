@@ -71,9 +71,12 @@ def test_host_functions_match_the_mirror(built):
                     assert plan(rows, L, k, sms) == topk_abi.plan_chunks(rows, L, k, sms), (rows, L, k, sms)
                 for chunks in (0, 1, 3, 8, 40):
                     assert ws(rows, L, k, chunks) == topk_abi.workspace_bytes(rows, L, k, chunks)
-    # the cached-row path while 8 blocks' caches hold a row, in clusters of the fewest blocks that do
+    # the cached-row path while 8 blocks' caches hold a row: the fewest blocks that do, doubled while the call's
+    # blocks stay within half of the SMs and a block reads at least 8192 keys, up to 16
     assert plan(64, 65536, 2048, 132) == -2 and plan(500, 32768, 2048, 132) == -1
-    assert plan(4, 163840, 2048, 132) == -8 and plan(4, 262145, 2048, 132) == 33
+    assert plan(16, 65536, 2048, 132) == -4 and plan(8, 32768, 2048, 132) == -4 and plan(1, 65536, 2048, 132) == -8
+    assert plan(4, 163840, 2048, 132) == -16 and plan(4, 163840, 2048, 78) == -8
+    assert plan(4, 262145, 2048, 132) == 33
     # past that: one block a row, or few long rows (3 blocks a row fill a wave)
     assert plan(200, 300000, 2048, 132) == 1 and plan(44, 300000, 2048, 132) == 3
     # refused before any CUDA call: no device is touched here

@@ -111,8 +111,11 @@ struct Stream {
   int cache(const DsqTopkArgs& a, int blocks) {
     if (!cache_supported() || a.rows > INT32_MAX / blocks) return -1;
     auto kernel = cache_adds(blocks) ? topk_cache_kernel<DT, true> : topk_cache_kernel<DT, false>;
+    // clusters past 8 blocks are a non-portable size (sm_90: up to 16)
     if (cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             sizeof(CacheShared)) != cudaSuccess) {
+                             sizeof(CacheShared)) != cudaSuccess ||
+        (blocks > 8 && cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                            cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)) {
       static_cast<void>(cudaGetLastError());
       return -1;
     }

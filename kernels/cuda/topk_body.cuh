@@ -99,7 +99,9 @@ static_assert(kSortWords >= DSQ_TOPK_MAX_SORT && kBinCap >= kSortWords, "sort bu
 #define DSQ_TOPK_CACHE_KEYS (DSQ_TOPK_AMD ? 0 : 32768)
 #endif
 constexpr int kCacheKeys = DSQ_TOPK_CACHE_KEYS;
-constexpr int kMaxCluster = 8;
+constexpr int kMaxCluster = 8;          // the most blocks whose caches the plan fills (rows up to 8 * kCacheKeys)
+constexpr int kMaxSpread = 16;          // the most blocks a row (sm_90's non-portable cluster size)
+constexpr int kMinSpreadKeys = 8192;    // the fewest keys a block of a spread row reads
 // Blocks of a row up to which each block sums the row's histogram itself (cache_block; measured on the H100: 0.3 to
 // 0.6 µs faster for 2 blocks a row, 2 µs slower for 8).
 constexpr int kSumBlocks = 2;
@@ -1143,9 +1145,20 @@ inline int32_t cache_blocks(int64_t L) {
 
 // ---- host side: the plan, the workspace size, the argument check and the order of the launches
 
+// Blocks a row of the cached-row path for `rows` rows of L positions: the fewest whose caches hold a row, doubled
+// while the call's blocks stay within half of the SMs and a block reads at least kMinSpreadKeys keys (a row read by
+// more SMs; measured on the H100: 4 x 163840 in 16 blocks 21.9 µs against 22.6 in 8, 16 x 65536 in 4 blocks 20.8
+// µs against 24.4 in 2 and 28.8 in 8). 0 where the path cannot hold L.
+inline int32_t spread_blocks(int64_t rows, int64_t L, int32_t sms) {
+  int32_t c = cache_blocks(L);
+  if (c == 0) return 0;
+  while (2 * c <= kMaxSpread && rows * 2 * c <= sms / 2 && L >= static_cast<int64_t>(2 * c) * kMinSpreadKeys) c *= 2;
+  return c;
+}
+
 inline int32_t plan_chunks(int64_t rows, int64_t L, int64_t k, int32_t sms) {
   // rows that the caches of at most kMaxCluster blocks hold: the cached-row path (each key read once)
-  if (rows > 0 && k > 0 && cache_blocks(L) > 0) return -cache_blocks(L);
+  if (rows > 0 && k > 0 && cache_blocks(L) > 0) return -spread_blocks(rows, L, sms);
   // fewer than 3 blocks a row in a wave: one block a row is faster (one launch; measured on the H200)
   if (rows <= 0 || sms / rows < 3 || k <= 0 || L < 8 * k) return 1;
   int64_t c = sms / rows;   // step 2 in one wave of a block an SM (step 1 runs twice the blocks, two an SM)
@@ -1167,8 +1180,12 @@ template <int DT, class Dev>
 int run_dtype(const DsqTopkArgs& a, int32_t chunks, Dev& dev) {
   if (chunks < 0) {   // the cached-row path, where the device runs it (dev.cache returns -1 where not)
     if constexpr (kCacheKeys > 0) {
-      const int e = dev.template cache<DT>(a, -chunks);
-      if (e >= 0) return e;
+      // a cluster size the device refuses (past 8 blocks the size is non-portable): the next smaller one that
+      // still holds the row
+      for (int32_t c = -chunks; c >= 1 && static_cast<int64_t>(c) * kCacheKeys >= a.L; c /= 2) {
+        const int e = dev.template cache<DT>(a, c);
+        if (e >= 0) return e;
+      }
     }
     chunks = 1;
   }
@@ -1201,7 +1218,7 @@ int run(const DsqTopkArgs* args, Dev& dev) {
     chunks = 1;
   if (a.chunks < 0) {   // cached rows in -chunks blocks each: a power of two whose caches hold the row
     const int64_t c = -static_cast<int64_t>(a.chunks);
-    if (kCacheKeys > 0 && c <= kMaxCluster && (c & (c - 1)) == 0 && c * kCacheKeys >= a.L)
+    if (kCacheKeys > 0 && c <= kMaxSpread && (c & (c - 1)) == 0 && c * kCacheKeys >= a.L)
       chunks = static_cast<int32_t>(-c);
   }
   switch (a.logits_dtype) {

@@ -26,8 +26,8 @@
 
 namespace emu {
 
-constexpr int kMaxThreads = 8192;       // threads of a block, or of a cluster of blocks
-constexpr int kMaxRanks = 8;            // blocks of a cluster
+constexpr int kMaxThreads = 16384;      // threads of a block, or of a cluster of blocks
+constexpr int kMaxRanks = 16;           // blocks of a cluster
 constexpr size_t kStacks = 64u << 20;   // bytes of fiber stacks, split evenly between a block's threads,
 constexpr size_t kMinStack = 32u << 10;   // but at least this much a thread
 

@@ -195,8 +195,8 @@ def run_cuda_lib(lib, x, k, kw, chunks):
 
 
 # 0: the library's plan (the cached-row path up to 8 blocks' caches); 1: one block a row; 2, 8: few long rows;
-# -1, -2, -8: the cached-row path in clusters of that many blocks (one block a row where they cannot hold the row)
-@pytest.mark.parametrize("chunks", [0, 1, 2, 8, -1, -2, -8])
+# -1 .. -16: the cached-row path in clusters of that many blocks (one block a row where they cannot hold the row)
+@pytest.mark.parametrize("chunks", [0, 1, 2, 8, -1, -2, -4, -8, -16])
 @pytest.mark.parametrize("name", list(CASES))
 def test_cuda_kernel_via_c_abi(topk_lib, name, chunks):
     rows, L, k, kind, form, next_n, dtype = CASES[name]

@@ -20,7 +20,9 @@ MAX_CHUNKS = 1024   # kMaxChunks of kernels/cuda/topk.cu
 DIGITS = 4096       # kDigits: the first-digit histogram of the few-long-rows path
 BIN_CAP = 8192      # kBinCap: workspace slots of a row's threshold-bin list
 CACHE_KEYS = 32768  # kCacheKeys of the NVIDIA build: keys a block of the cached-row path holds (0 on AMD)
-MAX_CLUSTER = 8     # kMaxCluster: the most blocks of such a row
+MAX_CLUSTER = 8     # kMaxCluster: the most blocks whose caches the plan fills
+MAX_SPREAD = 16     # kMaxSpread: the most blocks a row of that path
+MIN_SPREAD_KEYS = 8192   # kMinSpreadKeys: the fewest keys a block of a spread row reads
 
 
 class DsqTopkArgs(ctypes.Structure):
@@ -62,11 +64,22 @@ def cache_blocks(L: int, cache_keys: int = CACHE_KEYS) -> int:
     return c if c <= MAX_CLUSTER else 0
 
 
+def spread_blocks(rows: int, L: int, sms: int, cache_keys: int = CACHE_KEYS) -> int:
+    """Mirror of spread_blocks (topk_body.cuh): cache_blocks doubled while the call's blocks stay within half of
+    the SMs and each block reads at least MIN_SPREAD_KEYS keys (at most MAX_SPREAD blocks)."""
+    c = cache_blocks(L, cache_keys)
+    if c == 0:
+        return 0
+    while 2 * c <= MAX_SPREAD and rows * 2 * c <= sms // 2 and L >= 2 * c * MIN_SPREAD_KEYS:
+        c *= 2
+    return c
+
+
 def plan_chunks(rows: int, L: int, k: int, sms: int, cache_keys: int = CACHE_KEYS) -> int:
     """Mirror of dsq_topk_plan_chunks of a build whose cached-row path holds `cache_keys` keys a block (the
     NVIDIA build's CACHE_KEYS; 0 for AMD's): -blocks for that path, else the blocks a row of the others."""
     if rows > 0 and k > 0 and cache_blocks(L, cache_keys) > 0:
-        return -cache_blocks(L, cache_keys)
+        return -spread_blocks(rows, L, sms, cache_keys)
     if rows <= 0 or sms // rows < 3 or k <= 0 or L < 8 * k:
         return 1
     return max(2, min(sms // rows, L // 4096, MAX_CHUNKS))
