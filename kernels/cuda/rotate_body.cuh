@@ -390,7 +390,8 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
   const int64_t row0 = block_id() * G::kRows;
   // SPEC §5 tail RoPE table: the block's tokens' (cos, sin) rows, the position clamped into [0, max_pos) and
   // reported once per token (SPEC §7.5). Filled before the rows are loaded: the rows' registers are then not
-  // held across the fill.
+  // held across the fill (the rows' loads issued first measured slower: H100, T = 8192, 110.0 µs at four blocks an
+  // SM and 124.3 at three, against 100.1).
   const int64_t tok0 = row0 >> run.h_shift;
   if (run.table) {
     const int ntok = (G::kRows >> run.h_shift) > 0 ? (G::kRows >> run.h_shift) : 1;
