@@ -3,7 +3,7 @@
 kernels/cuda/kstore_body.cuh holds the row body of SPEC §7.2's index_k_norm_rope_pack_store and §7.3's
 rmsnorm_rope_rotate_fp4quant_kvcache that kernels/cuda/kstore_qpack.cu launches on NVIDIA (and hipified on AMD).
 tests/cpp/kstore_host.cpp runs the same body on the host: one cooperative fiber per GPU thread (tests/cpp/fibers.h),
-the CUDA names from tests/cpp/host_cuda/cuda_runtime.h, a row group's shuffles a rendezvous of its 4 lanes, blocks in
+the CUDA names from tests/cpp/host_cuda/cuda_runtime.h, a row group's shuffles a rendezvous of its 8 lanes, blocks in
 order, reversed or shuffled. It is built twice: with the scalar two stages (AMD's path) and with NVIDIA's bf16x2
 two stages for bf16 rows of the v41 writer (on e2m1x8.h's exact emulation of the bf16x2 operations). The module is
 driven through the compiled backends' own glue (dsaquant.backends.compiled.make_ops) with CPU tensors, and every

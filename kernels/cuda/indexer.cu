@@ -233,21 +233,15 @@ __device__ __forceinline__ void k_row(const IndexerArgs& a, int64_t t_in, float*
   float v[16];
   unpack<IN_DT>(raw, v);
   // LayerNorm (SPEC §5): mean = S(x)/128, d = x - mean, var = S(d*d)/128, y = fl(fl(d*inv)*w) + b,
-  // rounded to the input dtype. S is the canonical sum: lane l holds partials 2l, 2l+1 (a) and
-  // 16+2l, 17+2l (b); level 16 is in-lane, levels 8, 4, 2 are lanes l ^ 4, 2, 1, level 1 in-lane.
-  auto row_sum = [&](const float (&x)[16]) {
-    return group_sum<kGroupLanes>(
-        mask, fadd(canonical_partial(x[0], x[1], x[2], x[3]), canonical_partial(x[8], x[9], x[10], x[11])),
-        fadd(canonical_partial(x[4], x[5], x[6], x[7]), canonical_partial(x[12], x[13], x[14], x[15])));
-  };
-  const float mean = div128(row_sum(v));   // S / 128 without a division (rope.h)
+  // rounded to the input dtype. S is the canonical sum (qrows.cuh row_sum8).
+  const float mean = div128(row_sum8(mask, v));   // S / 128 without a division (rope.h)
   float d2[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     v[i] = fsub(v[i], mean);
     d2[i] = fmul(v[i], v[i]);
   }
-  const float inv = inv_sqrt_eps(div128(row_sum(d2)), a.eps);
+  const float inv = inv_sqrt_eps(div128(row_sum8(mask, d2)), a.eps);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {   // values 4q .. 4q+3: dims (q < 2 ? 0 : 64) + 8 lane + 4 (q & 1) + 0..3
     const int d4 = ((q < 2 ? 0 : 64) + 8 * lane + 4 * (q & 1)) / 4;

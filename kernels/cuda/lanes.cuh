@@ -1,8 +1,7 @@
 // kernels/cuda/lanes.cuh: the cross-lane steps of a 128-wide row held by a group of LANES consecutive lanes
 // of a warp, written once for every group size of the writers:
 //   LANES = 16: row16.cuh (8 values a lane);
-//   LANES = 8:  qrows.cuh (the indexer and the v41 q writers: 16 values a lane, the "split8" layout);
-//   LANES = 4:  kstore_qpack.cu (the k writers: 32 values a lane, the "split4" layout).
+//   LANES = 8:  qrows.cuh (the indexer, the v41 q writers and the k writers: 16 values a lane, "split8");
 // A group starts at a lane that is a multiple of LANES. Every lane of the group must call these helpers
 // together, with s < LANES (they shuffle with width LANES, so no read leaves the group; platform_hip.h relies
 // on this on a wave64). What each lane holds, and so which partials or values it passes in, is the
@@ -19,10 +18,10 @@ using namespace dsq;
 
 // The group's lanes as a CUDA warp mask: LANES set bits at the group's first lane, that is
 // ((1 << LANES) - 1) << (threadIdx.x & (32 - LANES)). The 16-lane form is a select between the warp's two
-// halves (the instructions the 16-lane kernels were measured with), the 8- and 4-lane forms the shift.
+// halves (the instructions the 16-lane kernels were measured with), the 8-lane form the shift.
 template <int LANES>
 __device__ __forceinline__ unsigned group_mask() {
-  static_assert(LANES == 4 || LANES == 8 || LANES == 16, "a row group is 4, 8 or 16 lanes");
+  static_assert(LANES == 8 || LANES == 16, "a row group is 8 or 16 lanes");
   if constexpr (LANES == 16) return (threadIdx.x & 16) ? 0xFFFF0000u : 0x0000FFFFu;
   else return ((1u << LANES) - 1u) << (threadIdx.x & (32 - LANES));
 }

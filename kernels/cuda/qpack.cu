@@ -94,45 +94,12 @@ struct QPackRow {
       const Rounding r = static_cast<Rounding>(a.rounding);
       uint32_t ba, bb, e2;   // e2: stage 2's exponents of the a block (bits 0..7) and the b block (16..23)
       if constexpr (kPacked) {
-        uint32_t xa[4], xb[4], aa[4], ab[4];   // values j and j + 4 per word, as the encoder pairs them
+        uint32_t xa[4], xb[4];   // values j and j + 4 per word, as the encoder pairs them
         pair_j_j4(raw.a, xa);
         round_j_j4(v, 8, xb);
-        const uint32_t m = block_abs_amax_bf16(mask, xa, xb, aa, ab);
-        const TwoStageBf16x2 p = two_stage_params_bf16x2(m);
-        ba = two_stage8_bf16_fast(xa, aa, p.inv_a, p.clamp_a, p.kr_a, p.thr_a, r);
-        bb = two_stage8_bf16_fast(xb, ab, p.inv_b, p.clamp_b, p.kr_b, p.thr_b, r);
-        e2 = p.e2;
-        if (!p.fast_a) {   // uniform over the block's 4 lanes; no shuffle inside
-          int e;
-          ba = two_stage8_bf16(xa, aa, m & 0xFFFFu, r, e);
-          e2 = (e2 & 0xFFFF0000u) | static_cast<uint32_t>(e);
-        }
-        if (!p.fast_b) {
-          int e;
-          bb = two_stage8_bf16(xb, ab, m >> 16, r, e);
-          e2 = (e2 & 0xFFFFu) | (static_cast<uint32_t>(e) << 16);
-        }
+        e2 = two_stage_bf16x2(mask, xa, xb, r, ba, bb);
       } else {
-        // Stage 1 (rule recip, the fake-quant values rounded to bf16), then stage 2 (rule pack).
-        const int e1a = ue8m0_exponent(amax_lanes(mask, v, 0, 4), ScaleRule::recip);
-        const int e1b = ue8m0_exponent(amax_lanes(mask, v, 1, 4), ScaleRule::recip);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = round_to_bf16(fp4_fake_quant_value_e(canon(v[i]), i < 8 ? e1a : e1b));
-        const int e2a = ue8m0_exponent(amax_lanes(mask, v, 0, 4), ScaleRule::pack);
-        const int e2b = ue8m0_exponent(amax_lanes(mask, v, 1, 4), ScaleRule::pack);
-        auto encode = [&](auto rr) {   // the policy as a constant: one encoder per policy, no test per pair
-          constexpr Rounding R = decltype(rr)::value;
-          ba = bb = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            ba |= static_cast<uint32_t>(e2m1_encode_pair(canon(v[2 * i]), canon(v[2 * i + 1]), e2a, R)) << (8 * i);
-            bb |= static_cast<uint32_t>(e2m1_encode_pair(canon(v[8 + 2 * i]), canon(v[9 + 2 * i]), e2b, R)) << (8 * i);
-          }
-        };
-        if (r == Rounding::threshold) encode(std::integral_constant<Rounding, Rounding::threshold>{});
-        else if (r == Rounding::rne) encode(std::integral_constant<Rounding, Rounding::rne>{});
-        else encode(std::integral_constant<Rounding, Rounding::hardware>{});
-        e2 = static_cast<uint32_t>(e2a) | (static_cast<uint32_t>(e2b) << 16);
+        e2 = two_stage_f32(mask, v, r, ba, bb);
       }
       // The row's exponent word, block j in byte j: lane 0 holds blocks 0 and 2, lane 4 blocks 1 and 3.
       const uint32_t e2_other = group_shfl_xor<kGroupLanes>(mask, e2, 4);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <type_traits>
 
 #include "indexer.h"
 #include "row16.cuh"   // DType codes, scalar loads, rope_load, with_* dispatch; lanes.cuh (group_*)
@@ -229,6 +230,66 @@ __device__ __forceinline__ void fp4_quant_bf16(unsigned mask, const uint32_t (&x
 [[maybe_unused]] __device__ __forceinline__ void round_j_j4(const float (&v)[16], int i0, uint32_t (&x)[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) x[j] = round_pair_any_nan(v[i0 + j], v[i0 + j + 4], true);
+}
+
+// SPEC §0.2 canonical sum of the row whose lane holds the terms x[0..15] (its a and b values' terms): partials
+// 2l, 2l+1 (x[0..7]) and 16+2l, 17+2l (x[8..15]); level 16 in-lane, levels 8, 4, 2 lanes l ^ 4, 2, 1, level 1
+// in-lane. Every lane of the group gets the sum.
+__device__ __forceinline__ float row_sum8(unsigned mask, const float (&x)[16]) {
+  return group_sum<kGroupLanes>(
+      mask, fadd(canonical_partial(x[0], x[1], x[2], x[3]), canonical_partial(x[8], x[9], x[10], x[11])),
+      fadd(canonical_partial(x[4], x[5], x[6], x[7]), canonical_partial(x[12], x[13], x[14], x[15])));
+}
+
+// SPEC §7.2's two stages of the lane's a and b values (stage 1: rule recip, the fake-quant values rounded to
+// bf16; stage 2: rule pack, codes by r): the lane's 4 + 4 packed bytes in ba and bb, and stage 2's exponents of
+// the a block (bits 0..7) and of the b block (bits 16..23) returned.
+// On bf16x2 words (NVIDIA sm_80+, two_stage_x8.h): xa / xb hold the lane's a / b values j and j + 4 a word
+// (pair_j_j4, round_j_j4), bf16. A block outside the fast path's conditions takes the general form, uniformly
+// over its 4 lanes (no shuffle inside).
+[[maybe_unused]] __device__ __forceinline__ uint32_t two_stage_bf16x2(unsigned mask, const uint32_t (&xa)[4],
+                                                                      const uint32_t (&xb)[4], Rounding r,
+                                                                      uint32_t& ba, uint32_t& bb) {
+  uint32_t aa[4], ab[4];
+  const uint32_t m = block_abs_amax_bf16(mask, xa, xb, aa, ab);
+  const TwoStageBf16x2 p = two_stage_params_bf16x2(m);
+  ba = two_stage8_bf16_fast(xa, aa, p.inv_a, p.clamp_a, p.kr_a, p.thr_a, r);
+  bb = two_stage8_bf16_fast(xb, ab, p.inv_b, p.clamp_b, p.kr_b, p.thr_b, r);
+  uint32_t e2 = p.e2;
+  if (!p.fast_a) {
+    int e;
+    ba = two_stage8_bf16(xa, aa, m & 0xFFFFu, r, e);
+    e2 = (e2 & 0xFFFF0000u) | static_cast<uint32_t>(e);
+  }
+  if (!p.fast_b) {
+    int e;
+    bb = two_stage8_bf16(xb, ab, m >> 16, r, e);
+    e2 = (e2 & 0xFFFFu) | (static_cast<uint32_t>(e) << 16);
+  }
+  return e2;
+}
+// On fp32 values v[0..15] (the a values, then the b values; stage 1 leaves its bf16 values in v).
+__device__ __forceinline__ uint32_t two_stage_f32(unsigned mask, float (&v)[16], Rounding r, uint32_t& ba,
+                                                  uint32_t& bb) {
+  const int e1a = ue8m0_exponent(amax_lanes(mask, v, 0, 4), ScaleRule::recip);
+  const int e1b = ue8m0_exponent(amax_lanes(mask, v, 1, 4), ScaleRule::recip);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = round_to_bf16(fp4_fake_quant_value_e(canon(v[i]), i < 8 ? e1a : e1b));
+  const int e2a = ue8m0_exponent(amax_lanes(mask, v, 0, 4), ScaleRule::pack);
+  const int e2b = ue8m0_exponent(amax_lanes(mask, v, 1, 4), ScaleRule::pack);
+  auto encode = [&](auto rr) {   // the policy as a constant: one encoder per policy, no test per pair
+    constexpr Rounding R = decltype(rr)::value;
+    ba = bb = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      ba |= static_cast<uint32_t>(e2m1_encode_pair(canon(v[2 * i]), canon(v[2 * i + 1]), e2a, R)) << (8 * i);
+      bb |= static_cast<uint32_t>(e2m1_encode_pair(canon(v[8 + 2 * i]), canon(v[9 + 2 * i]), e2b, R)) << (8 * i);
+    }
+  };
+  if (r == Rounding::threshold) encode(std::integral_constant<Rounding, Rounding::threshold>{});
+  else if (r == Rounding::rne) encode(std::integral_constant<Rounding, Rounding::rne>{});
+  else encode(std::integral_constant<Rounding, Rounding::hardware>{});
+  return static_cast<uint32_t>(e2a) | (static_cast<uint32_t>(e2b) << 16);
 }
 
 // The shared memory of q_heads' ring, in 16-byte units: the row slots ([slot][a / b][thread] uint4), then the

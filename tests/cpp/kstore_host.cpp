@@ -3,7 +3,7 @@
 //
 // The row body runs unchanged on the CPU under the block emulator of tests/cpp/fibers.h, with the CUDA names it
 // uses supplied by tests/cpp/host_cuda/cuda_runtime.h: every thread of a block is a cooperative fiber, the row
-// group's shuffles are rendezvous points of its 4 lanes, and blocks run in a chosen order. Built by
+// group's shuffles are rendezvous points of its 8 lanes, and blocks run in a chosen order. Built by
 // tests/test_kstore_host.py with g++, twice: as is (the scalar two stages, as on AMD) and with
 // -DDSQ_HOST_BF16X2_PATH (NVIDIA's path for bf16 rows of the v41 writer: the two stages on bf16x2 words, here on
 // e2m1x8.h's exact emulation of those operations). It exports the C interface of the compiled library for this
