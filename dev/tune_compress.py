@@ -10,15 +10,13 @@ runs when 64 is among the token counts and 4 among the ratios.
 import os
 import sys
 
+import tune_rows
 from dsaquant import bench
 
 label = sys.argv[1] if len(sys.argv) > 1 else "default"
 Ts = [int(x) for x in os.environ.get("TUNE_T", "1 64 1024 8192").split()]
 ratios = {f"r{x}" for x in os.environ.get("TUNE_RATIOS", "4 128").split()}
-bw = bench.copy_bandwidth()
-print(f"copy bandwidth {bw:.0f} GB/s")
-print("| variant | backend | case | T | median µs | % copy |")
-print("|---|---|---|---:|---:|---:|")
+bw = tune_rows.header()
 for T in Ts:
     for name, tokens, _op, fn, make, nbytes, _variant in bench.v4_cases((T,)):
         if not name.startswith("compress_kv") or name.split()[-2] not in ratios:
@@ -26,8 +24,4 @@ for T in Ts:
         if "decode" in name and T != 64:      # the decode step's size is fixed (64 tokens); run it once
             continue
         sets = [make(s) for s in range(4 if tokens >= 1024 else 1)]
-        moved = nbytes(sets[0])
-        for backend in os.environ.get("TUNE_BACKENDS", "cuda triton").split():
-            sec = bench.time_graph(lambda kw: fn(**kw, backend=backend), sets, 100 if tokens <= 64 else 20)
-            print(f"| {label} | {backend} | {name} | {tokens} | {sec * 1e6:.2f} | {100 * moved / sec / 1e9 / bw:.1f} |",
-                  flush=True)
+        tune_rows.time_rows(label, name, tokens, fn, sets, nbytes(sets[0]), bw, tune_rows.backends())

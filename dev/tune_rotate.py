@@ -8,21 +8,15 @@ TUNE_T="1024 8192 32768" (default) picks the token counts, TUNE_D="128" (default
 import os
 import sys
 
+import tune_rows
 from dsaquant import bench, compress, testing as tt
 
 label = sys.argv[1] if len(sys.argv) > 1 else "default"
-bw = bench.copy_bandwidth()
-print(f"copy bandwidth {bw:.0f} GB/s")
-print("| variant | backend | D | T | median µs | % copy |")
-print("|---|---|---:|---:|---:|---:|")
+bw = tune_rows.header("D")
 for D in [int(x) for x in os.environ.get("TUNE_D", "128").split()]:
     for T in [int(x) for x in os.environ.get("TUNE_T", "1024 8192 32768").split()]:
         sets = [tt.make_rope_rotate_quant(T=T, H=64, D=D, device="cuda", seed=s) for s in range(4 if T >= 1024 else 1)]
         a = sets[0]
         moved = (sum(bench._nbytes(a[k]) for k in ("x", "out", "out_scale", "positions"))
                  + T * 2 * 32 * a["cos_cache"].element_size())
-        for backend in os.environ.get("TUNE_BACKENDS", "cuda triton").split():
-            sec = bench.time_graph(lambda kw: compress.rope_rotate_quant(**kw, backend=backend), sets,
-                                   100 if T <= 64 else 20)
-            print(f"| {label} | {backend} | {D} | {T} | {sec * 1e6:.2f} | {100 * moved / sec / 1e9 / bw:.1f} |",
-                  flush=True)
+        tune_rows.time_rows(label, D, T, compress.rope_rotate_quant, sets, moved, bw, tune_rows.backends())

@@ -9,21 +9,14 @@ count against the copy rate of the same run, one Markdown row each.
 import os
 import sys
 
+import tune_rows
 from dsaquant import bench
 
 label = sys.argv[1] if len(sys.argv) > 1 else "default"
 prefixes = tuple(p.strip() for p in os.environ.get("TUNE_CASES", "k pack store,V4 k writer").split(","))
-bw = bench.copy_bandwidth()
-print(f"copy bandwidth {bw:.0f} GB/s")
-print("| variant | backend | case | T | median µs | % copy |")
-print("|---|---|---|---:|---:|---:|")
+bw = tune_rows.header()
 for T in [int(x) for x in os.environ.get("TUNE_T", "1 64 1024 8192 32768").split()]:
     for name, _op, fn, make, nbytes, _variant in bench.cases(T, 64):
-        if not name.startswith(prefixes):
-            continue
-        sets = [make(s) for s in range(4 if T >= 1024 else 1)]
-        moved = nbytes(sets[0])
-        for backend in os.environ.get("TUNE_BACKENDS", "cuda").split():
-            sec = bench.time_graph(lambda kw: fn(**kw, backend=backend), sets, 100 if T <= 64 else 20)
-            print(f"| {label} | {backend} | {name} | {T} | {sec * 1e6:.2f} | {100 * moved / sec / 1e9 / bw:.1f} |",
-                  flush=True)
+        if name.startswith(prefixes):
+            sets = [make(s) for s in range(4 if T >= 1024 else 1)]
+            tune_rows.time_rows(label, name, T, fn, sets, nbytes(sets[0]), bw, tune_rows.backends("cuda"))
