@@ -19,6 +19,13 @@ for T in (1, 37, 300):
     dq.rope_fake_quant_fp4(a["q"], a["positions"], a["freqs"], 16, "e4m3", backend=backend)
     for layout in ("aiter_fp4", "dense"):
         dq.rmsnorm_rope_rotate_fp4quant_kvcache(**tt.make_v4_k(T=T, device=dev, layout=layout), backend=backend)
+for shift in (1, 2):   # k rows not 16-byte aligned, caches not 4-byte aligned (the k writers' byte stores)
+    a = tt.make_k_store(T=37, device=dev)
+    a["k"], a["cache"] = tt.at_offset(a["k"], 2, pad=1), tt.at_offset(a["cache"], shift)
+    dq.index_k_norm_rope_pack_store(**a, backend=backend)
+    a = tt.make_v4_k(T=37, device=dev, layout="aiter_fp4")
+    a["kv"], a["kv_cache"] = tt.at_offset(a["kv"], 2, pad=1), tt.at_offset(a["kv_cache"], shift)
+    dq.rmsnorm_rope_rotate_fp4quant_kvcache(**a, backend=backend)
 for mode, H, T in (("fp8", 18, 4096), ("fp4", 48, 2048)):   # a warp per token (T * ceil(H/32) >= 4096 FP8, 2048 FP4); FP8: the last 4 heads partly empty
     dq.indexer_qk_rope_quant_and_cache(**tt.make_indexer(T=T, H=H, mode=mode, device=dev), backend=backend)
 

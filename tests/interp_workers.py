@@ -113,8 +113,8 @@ def torch_dtype(name):
 
 
 def clone_args(args):
-    import torch
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    from dsaquant import testing
+    return testing.clone_args(args)
 
 
 def as_bytes(t):

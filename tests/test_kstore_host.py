@@ -115,3 +115,27 @@ def test_bad_slots_and_positions_are_flagged(emu):
         a["positions"][5] = a["freqs"].shape[0] + 1
         return a
     _compare(emu, "index_k_norm_rope_pack_store", make, _k_store_args, ("cache",), 2, "bad slots")
+
+
+
+@pytest.mark.parametrize("shift", (1, 2, 3))
+def test_unaligned_rows_and_caches(emu, shift):
+    """Rows that are not 16-byte aligned (the one-value-at-a-time loads) and caches that are not 4-byte aligned
+    (the byte stores): the same bytes as the reference."""
+    def make_k():
+        a = tt.make_k_store(T=37, device="cpu", seed=11 + shift)
+        a["k"] = tt.at_offset(a["k"], 2, pad=1)
+        a["cache"] = tt.at_offset(a["cache"], shift)
+        return a
+    _compare(emu, "index_k_norm_rope_pack_store", make_k, _k_store_args, ("cache",), 0, f"v41 shift {shift}")
+    for layout in ("aiter_fp4", "dense"):
+        def make_v4():
+            a = tt.make_v4_k(T=37, device="cpu", seed=13 + shift, layout=layout, hadamard=True,
+                             dtype=torch.float32 if shift == 2 else torch.bfloat16)
+            kv = a["kv"]
+            a["kv"] = tt.at_offset(kv, kv.element_size(), pad=1)
+            a["kv_cache"] = tt.at_offset(a["kv_cache"], shift)
+            a["kv_cache_scale"] = tt.at_offset(a["kv_cache_scale"], 3)
+            return a
+        _compare(emu, "rmsnorm_rope_rotate_fp4quant_kvcache", make_v4, _v4_k_args, ("kv_cache", "kv_cache_scale"),
+                 1, f"{layout} shift {shift}")

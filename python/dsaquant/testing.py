@@ -31,6 +31,38 @@ def poisoned(shape, dtype, device):
     return t
 
 
+def clone_tensor(v: torch.Tensor) -> torch.Tensor:
+    """A copy of v with its strides and storage offset, so also its data pointer's offset from the allocation's
+    alignment: a view into padded or shifted storage stays one (Tensor.clone makes such a view contiguous, and so
+    aligned, which would hide a kernel's unaligned paths)."""
+    n = v.untyped_storage().nbytes() // v.element_size()
+    whole = torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), 0, (n,), (1,))
+    return whole.clone().as_strided(v.size(), v.stride(), v.storage_offset())
+
+
+def clone_args(args: dict) -> dict:
+    """The keyword arguments with every tensor copied by clone_tensor (the others as they are)."""
+    return {k: (clone_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def at_offset(t: torch.Tensor, nbytes: int, pad: int = 0) -> torch.Tensor:
+    """t's values in new storage at `nbytes` (a multiple of the element size) past the allocation's start (CPU and
+    CUDA allocations are at least 64-byte aligned), so not 16- (or 4-) byte aligned; with `pad`, the rows of a 2-D
+    t `pad` elements wider than t apart."""
+    es = t.element_size()
+    if nbytes % es:
+        raise ValueError(f"at_offset: nbytes={nbytes} is not a multiple of the element size {es}")
+    lead = nbytes // es
+    if pad:
+        rows, cols = t.shape
+        v = torch.zeros(rows * (cols + pad) + lead, dtype=t.dtype, device=t.device)[lead:]
+        v = v.view(rows, cols + pad)[:, :cols]
+    else:
+        v = torch.zeros(t.numel() + lead, dtype=t.dtype, device=t.device)[lead:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
 def slot_map(T: int, capacity: int, g: torch.Generator, negatives=True, device="cpu"):
     """Distinct slots in random order, with about 1/8 negative (skipped) when `negatives`; always
     includes the last slot of the cache when T >= 2."""

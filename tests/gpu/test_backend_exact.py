@@ -37,8 +37,7 @@ def inject_specials(x: torch.Tensor) -> torch.Tensor:
     return tt.special_rows(x)
 
 
-def clone_args(args: dict) -> dict:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+clone_args = tt.clone_args
 
 
 def compare(name: str, backend: str, outs_ref, outs_be, label: str, out_names=None):
@@ -148,6 +147,27 @@ def test_k_store(backend, T, ratio):
             a["positions"] = a["positions"].to(torch.int32)
         run_pair(dq.index_k_norm_rope_pack_store, a, ("cache",), backend, "index_k_norm_rope_pack_store",
                  f"T{T} r{ratio} {policy}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shift", (1, 2, 3))
+def test_k_writers_unaligned(backend, shift):
+    """Rows that are not 16-byte aligned (the one-value-at-a-time loads) and caches that are not 4-byte aligned (the
+    byte stores); clone_args keeps each tensor's offset and strides."""
+    a = tt.make_k_store(T=300, device=DEV, seed=11 + shift)
+    a["k"] = tt.at_offset(inject_specials(a["k"]), 2, pad=1)
+    a["cache"] = tt.at_offset(a["cache"], shift)
+    run_pair(dq.index_k_norm_rope_pack_store, a, ("cache",), backend, "index_k_norm_rope_pack_store unaligned",
+             f"shift {shift}")
+    for layout in ("aiter_fp4", "dense"):
+        a = tt.make_v4_k(T=300, device=DEV, seed=13 + shift, layout=layout, hadamard=True,
+                         dtype=torch.float32 if shift == 2 else torch.bfloat16)
+        kv = inject_specials(a["kv"])
+        a["kv"] = tt.at_offset(kv, kv.element_size(), pad=1)
+        a["kv_cache"] = tt.at_offset(a["kv_cache"], shift)
+        a["kv_cache_scale"] = tt.at_offset(a["kv_cache_scale"], 3)
+        run_pair(dq.rmsnorm_rope_rotate_fp4quant_kvcache, a, ("kv_cache", "kv_cache_scale"), backend,
+                 "rmsnorm_rope_rotate_fp4quant_kvcache unaligned", f"{layout} shift {shift}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -74,8 +74,7 @@ class backend_ctx:
             self.quant.NATIVE_ENABLED, self.quant.HW_FP8_ENABLED = self.saved
 
 
-def clone_args(args: dict) -> dict:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+clone_args = tt.clone_args
 
 
 def _flag() -> int:
