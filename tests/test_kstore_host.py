@@ -117,7 +117,6 @@ def test_bad_slots_and_positions_are_flagged(emu):
     _compare(emu, "index_k_norm_rope_pack_store", make, _k_store_args, ("cache",), 2, "bad slots")
 
 
-
 @pytest.mark.parametrize("shift", (1, 2, 3))
 def test_unaligned_rows_and_caches(emu, shift):
     """Rows that are not 16-byte aligned (the one-value-at-a-time loads) and caches that are not 4-byte aligned
@@ -139,3 +138,22 @@ def test_unaligned_rows_and_caches(emu, shift):
             return a
         _compare(emu, "rmsnorm_rope_rotate_fp4quant_kvcache", make_v4, _v4_k_args, ("kv_cache", "kv_cache_scale"),
                  1, f"{layout} shift {shift}")
+
+
+def test_offset_helpers_keep_the_misalignment():
+    """The unaligned cases above and in the GPU suites rest on testing.at_offset placing a tensor off alignment and
+    testing.clone_tensor (the GPU suites' clones) keeping it there, in storage of its own."""
+    k = torch.randn(5, 128).to(torch.bfloat16)
+    for nbytes, pad in ((2, 1), (6, 0), (4, 3)):
+        u = tt.at_offset(k, nbytes, pad=pad)
+        assert torch.equal(u, k) and u.data_ptr() % 16 == nbytes % 16
+        assert u.stride(0) == 128 + pad
+        c = tt.clone_tensor(u)
+        assert torch.equal(c, u) and c.stride() == u.stride() and c.data_ptr() % 16 == nbytes % 16
+        assert c.untyped_storage().data_ptr() != u.untyped_storage().data_ptr()
+        c.zero_()
+        assert torch.equal(u, k)
+    cache = tt.at_offset(torch.arange(200, dtype=torch.uint8).view(10, 20), 3)
+    assert cache.data_ptr() % 4 == 3 and tt.clone_tensor(cache).data_ptr() % 4 == 3
+    with pytest.raises(ValueError, match="nbytes"):
+        tt.at_offset(k, 3)
