@@ -254,8 +254,61 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   const int t1 = imin(t0 + tiles_per_block, n_tiles_all);
   if (t0 >= t1) return;
 
+  // ---- q rows and head weights into registers first: they depend on nothing below, so their loads are in
+  // flight with those of the block table and the context lengths (written to shared memory once the first
+  // copies are issued) ------------------------------------------------------------------------------------
+  static_assert(NT <= kThreads, "at most one q row a thread");
+  constexpr int kPer = FP4 ? 4 : NT * 8 / kThreads;   // 16-byte chunks a thread loads
+  U32x4 qv[kPer];
+  uint32_t qe = 0;      // FP4: the block exponents of q row tid (block j in byte j)
+  float qw = 0.f;       // the head weight of q row tid
+  bool q_ok = false;    // q row tid exists (tid < NT, its query < N)
+  DSQ_UNROLL
+  for (int k = 0; k < kPer; ++k) qv[k] = U32x4{0, 0, 0, 0};
+  if constexpr (!FP4) {
+    DSQ_UNROLL
+    for (int k = 0; k < kPer; ++k) {
+      const int i = tid + k * kThreads, r = i >> 3, c = i & 7, qi = r / H, h = r % H;
+      if (static_cast<int64_t>(group) * NQ + qi < a.N) {
+        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * H + h;
+        qv[k] = load16(static_cast<const uint8_t*>(a.q) + row * 128 + c * 16);
+      }
+    }
+  }
+  if (tid < NT) {
+    const int qi = tid / H, h = tid % H;
+    const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+    q_ok = n < a.N;
+    if (q_ok) {
+      const int64_t t = b * a.N + n;
+      qw = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
+      if constexpr (FP4) {
+        const int64_t row = t * H + h;
+        const uint8_t* src = static_cast<const uint8_t*>(a.q) + row * 64;
+        DSQ_UNROLL
+        for (int j = 0; j < 4; ++j) qv[j] = load16(src + 16 * j);
+        const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
+        if constexpr (packed68) {
+          qe = *reinterpret_cast<const uint32_t*>(qs + row * 4);
+        } else {
+          DSQ_UNROLL
+          for (int j = 0; j < 4; ++j) qe |= static_cast<uint32_t>(qs[dsq::aiter_q_scale_offset(t, h, j, H)]) << (8 * j);
+        }
+      }
+    }
+  }
+
   // ---- the block-table entries of [t0*64, t1*64) into shared memory (-1: out of range), loaded
-  // together with the context lengths (neither waits for the other) ---------------------------------
+  // together with the context lengths: those are loaded first and used after the table's stores (a load after
+  // a store would wait for it: the compiler cannot tell the table's shared memory from the lengths) --------
+  bool valid[NQ];
+  int64_t ctx_raw[NQ];
+  DSQ_UNROLL
+  for (int qi = 0; qi < NQ; ++qi) {
+    const int64_t n = static_cast<int64_t>(group) * NQ + qi;
+    valid[qi] = n < a.N;
+    ctx_raw[qi] = valid[qi] ? load_index(a.context_lens, b * a.ctx_b + n * a.ctx_n, a.ctx_dtype) : 0;
+  }
   const int e0 = geo.page_of(t0 * kTile);
   const int e_all = geo.page_of(imin(t1 * kTile, max_seq) - 1) + 1;
   // packed68 tiles that lie whole in one page come by two bulk copies (payload, exponents) that one thread issues,
@@ -273,13 +326,10 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     spages[e - e0] = pg < 0 || pg >= a.num_blocks ? -1 : static_cast<int>(pg);
   }
   int len[NQ];
-  bool valid[NQ];
   int ctx_max = 0;
   DSQ_UNROLL
   for (int qi = 0; qi < NQ; ++qi) {
-    const int64_t n = static_cast<int64_t>(group) * NQ + qi;
-    valid[qi] = n < a.N;
-    int64_t c = valid[qi] ? load_index(a.context_lens, b * a.ctx_b + n * a.ctx_n, a.ctx_dtype) : 0;
+    int64_t c = ctx_raw[qi];
     c = c < 0 ? 0 : (c > max_seq ? max_seq : c);
     len[qi] = static_cast<int>(c);
     ctx_max = imax(ctx_max, len[qi]);
@@ -440,52 +490,18 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
 
   // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per block ---------------------------
   if constexpr (!FP4) {
-    constexpr int kPer = NT * 8 / kThreads;   // 16-byte chunks per thread (all loads first, then the stores)
-    U32x4 v[kPer];
     DSQ_UNROLL
-    for (int k = 0; k < kPer; ++k) {
-      const int i = tid + k * kThreads, r = i >> 3, c = i & 7, qi = r / H, h = r % H;
-      v[k] = U32x4{0, 0, 0, 0};
-      if (static_cast<int64_t>(group) * NQ + qi < a.N) {
-        const int64_t row = (b * a.N + static_cast<int64_t>(group) * NQ + qi) * H + h;
-        v[k] = load16(static_cast<const uint8_t*>(a.q) + row * 128 + c * 16);
-      }
-    }
-    DSQ_UNROLL
-    for (int k = 0; k < kPer; ++k) store_chunk(sq, (tid + k * kThreads) >> 3, (tid + k * kThreads) & 7, v[k]);
-    for (int r = tid; r < NT; r += kThreads) {
-      const int qi = r / H, h = r % H;
-      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
-      sw[r] = n < a.N ? load_float(a.weights, (b * a.N + n) * a.w_row + h * a.w_head, a.w_dtype) : 0.f;
-    }
+    for (int k = 0; k < kPer; ++k) store_chunk(sq, (tid + k * kThreads) >> 3, (tid + k * kThreads) & 7, qv[k]);
+    if (tid < NT) sw[tid] = qw;   // 0 where the row does not exist
   } else {
     if (tid < kLutEntries) {   // the magnitude table of each exponent distance (fp4_table)
       uint32_t lo, hi;
       fp4_table(tid, lo, hi);
       slut[tid] = U32x2{lo, hi};
     }
-    for (int r = tid; r < NT; r += kThreads) {
-      const int qi = r / H, h = r % H;
-      const int64_t n = static_cast<int64_t>(group) * NQ + qi;
-      U32x4 raw[4] = {};
-      uint32_t e = 0;
-      float w = 0.f;
-      if (n < a.N) {
-        const int64_t t = b * a.N + n, row = t * H + h;
-        const uint8_t* src = static_cast<const uint8_t*>(a.q) + row * 64;
-        DSQ_UNROLL
-        for (int j = 0; j < 4; ++j) raw[j] = load16(src + 16 * j);
-        const uint8_t* qs = static_cast<const uint8_t*>(a.q_scale);
-        if constexpr (packed68) {
-          e = *reinterpret_cast<const uint32_t*>(qs + row * 4);
-        } else {
-          DSQ_UNROLL
-          for (int j = 0; j < 4; ++j) e |= static_cast<uint32_t>(qs[dsq::aiter_q_scale_offset(t, h, j, H)]) << (8 * j);
-        }
-        w = load_float(a.weights, t * a.w_row + h * a.w_head, a.w_dtype);
-      }
-      const float s = expand_q_row(raw, e, sq, r);
-      sw[r] = n < a.N ? w * s : 0.f;
+    if (tid < NT) {   // rows that do not exist: zero codes, a zero weight
+      const float s = expand_q_row(qv, qe, sq, tid);
+      sw[tid] = q_ok ? qw * s : 0.f;
     }
   }
   async_fence();   // q rows written with plain stores, read by the matrix unit
@@ -786,7 +802,8 @@ inline int queries_per_block(const DsqPagedLogitsArgs& a) {
 
 // The launch's grid (splits x groups x B) and the arguments of paged_logits_block, for `slots` blocks resident at
 // once: splits <= 0 takes as many blocks as fit at once (one wave, no tail). Fewer or more splits measured slower
-// on the H100 (fp8_132 (4, 4, 32768): 47 splits, the one wave, 16.7 µs; 24 splits 22.9; 96 splits 20.3).
+// on the H100 (fp8_132 (4, 4, 32768) at three blocks an SM: 47 splits, the one wave, 16.7 µs; 24 splits 22.9;
+// 96 splits 20.3).
 struct Plan {
   int splits, groups, tiles_per_block, n_pages, p_shift;
 };
