@@ -4,7 +4,8 @@ of CUDA events around graph replays), with the cuda result checked against trito
 the row's largest magnitude).
 
   python dev/tune_prefill.py [LABEL]      # LABEL names the cuda module's build flags (dev/cuda_variants.sh)
-TUNE_SHAPE="2048 8192 64" picks S, SKV and H.
+TUNE_SHAPE="2048 8192 64" picks S, SKV and H; TUNE_BACKENDS="cuda" the backends (default "triton cuda"; the
+check needs both).
 """
 import os
 import sys
@@ -17,6 +18,7 @@ from dsaquant.prefill import mqa_logits
 
 label = sys.argv[1] if len(sys.argv) > 1 else "default"
 S, SKV, H = (int(x) for x in os.environ.get("TUNE_SHAPE", "2048 8192 64").split())
+backends = os.environ.get("TUNE_BACKENDS", "triton cuda").split()
 peak = bench.tensor_core_ceilings()["fp8"]
 print(f"fp8 dense tensor cores {peak:.0f} TFLOP/s")
 print("| variant | layout | ranges | backend | median µs | TFLOP/s | % fp8 peak | max diff / row max |")
@@ -26,12 +28,12 @@ for layout in ("fp8", "fp4"):
         sets = [make_prefill_inputs(layout, S, SKV, H, causal=causal, seed=s) for s in range(2)]
         flops = 2 * 128 * H * _pairs(sets[0])
         outs = {}
-        for backend in ("triton", "cuda"):
+        for backend in backends:
             sec = bench.time_graph(lambda a: mqa_logits(layout=layout, backend=backend, **a), sets, calls=4, reps=10)
             outs[backend] = mqa_logits(layout=layout, backend=backend, **sets[0])
             tf = flops / sec / 1e12
             diff = ""
-            if backend == "cuda":
+            if backend == "cuda" and "triton" in outs:
                 a, b = outs["cuda"], outs["triton"]
                 fin = torch.isfinite(b)
                 same_inf = bool(torch.equal(torch.isneginf(a), torch.isneginf(b)))

@@ -9,17 +9,9 @@ import pytest
 import torch
 
 from dsaquant.formats import exp_ds
+from f32_steps import b32 as bits, f32, from_bits
 
 F32 = torch.float32
-f32 = np.float32
-
-
-def from_bits(b) -> np.ndarray:
-    return np.asarray(b, dtype=np.uint32).view(np.float32)
-
-
-def bits(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32).view(np.uint32)
 
 
 def run(x: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsaquant import formats as F
+from f32_steps import canonical_np
 
 F32 = torch.float32
 
@@ -350,17 +351,6 @@ def test_fake_quant_e4m3_differs_from_ue8m0():
 
 
 # ---- SPEC §0.2 canonical sum -------------------------------------------------------------------
-def _canonical_np(row) -> np.float32:
-    """SPEC §0.2 with explicit numpy.float32 scalar steps (an independent re-statement)."""
-    x = [np.float32(v) for v in row]
-    m = len(x) // 4
-    p = [((x[4 * i] + x[4 * i + 1]) + x[4 * i + 2]) + x[4 * i + 3] for i in range(m)]
-    s = m // 2
-    while s >= 1:
-        p = [p[i] + p[i ^ s] for i in range(m)]
-        s //= 2
-    assert all(type(v) is np.float32 for v in p)
-    return p[0]
 
 
 def _naive_np(row) -> np.float32:
@@ -376,7 +366,7 @@ def test_canonical_sum_hand_row():
     # 31 * 2^-22 to p[0] without loss -> 1 + 31 * 2^-22.
     row = [1.0] + [2.0 ** -24] * 127
     naive = _naive_np(row)
-    canon = _canonical_np(row)
+    canon = canonical_np(row)
     assert naive == np.float32(1.0)
     assert canon == np.float32(1.0 + 31 * 2.0 ** -22)
     got = F.canonical_sum(t32(row))
@@ -391,7 +381,7 @@ def test_canonical_sum_butterfly_order_matters():
     found = 0
     for _ in range(200):
         row = (rng.standard_normal(128) * np.exp2(rng.integers(-20, 20, 128))).astype(np.float32)
-        canon = _canonical_np(row)
+        canon = canonical_np(row)
         # the same partials but butterfly s = 1, 2, 4, 8, 16
         p = [((row[4 * i] + row[4 * i + 1]) + row[4 * i + 2]) + row[4 * i + 3] for i in range(32)]
         for s in (1, 2, 4, 8, 16):
@@ -410,8 +400,8 @@ def test_canonical_sum_batched_and_other_lengths():
     assert got.shape == (3, 5)
     for i in range(3):
         for j in range(5):
-            assert np.float32(got[i, j].item()) == _canonical_np(x[i, j])
+            assert np.float32(got[i, j].item()) == canonical_np(x[i, j])
     for n in (4, 8, 32, 512):     # n = 4*m with m partials, same shape
         row = (rng.standard_normal(n) * np.exp2(rng.integers(-10, 10, n))).astype(np.float32)
         assert np.float32(F.canonical_sum(torch.from_numpy(row)).item()).view(np.int32) == \
-            _canonical_np(row).view(np.int32)
+            canonical_np(row).view(np.int32)

@@ -8,35 +8,9 @@ import pytest
 import torch
 
 from dsaquant.reference import transforms as T
+from f32_steps import b32, canonical_np, f32, from_bits, same_bits
 
 F32 = torch.float32
-f32 = np.float32
-
-
-def b32(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32).view(np.uint32)
-
-
-def from_bits(b) -> np.ndarray:
-    return np.asarray(b, dtype=np.uint32).view(np.float32)
-
-
-def same_bits(a, b) -> bool:
-    a = a.numpy() if isinstance(a, torch.Tensor) else a
-    b = b.numpy() if isinstance(b, torch.Tensor) else b
-    return a.shape == b.shape and np.array_equal(b32(a), b32(b))
-
-
-def canonical_np(row: np.ndarray) -> np.float32:
-    """SPEC §0.2, numpy.float32 scalar steps."""
-    x = [f32(v) for v in row]
-    m = len(x) // 4
-    p = [((x[4 * i] + x[4 * i + 1]) + x[4 * i + 2]) + x[4 * i + 3] for i in range(m)]
-    s = m // 2
-    while s >= 1:
-        p = [p[i] + p[i ^ s] for i in range(m)]
-        s //= 2
-    return p[0]
 
 
 def rand_rows(n, seed, spread=6):
