@@ -335,7 +335,8 @@ PF_FN void mqa_logits_block(const DsqMqaLogitsArgs& a, int64_t qb, int64_t sp, i
   // overlap this one's epilogue with their MMAs. Measured slower on the H100: an MMA over each half of the q rows
   // in turn, the first half's head sums under the second's (7 %: it reads the key tile twice); the next tile's MMA
   // kept in flight under this one's epilogue (two accumulator sets, so two blocks an SM: 1.7x slower, 519.9 against
-  // 305.4 µs at S = 2048, SKV = 8192, H = 64: the epilogue's latency is hidden by more blocks, not by the MMA).
+  // 305.4 µs at S = 2048, SKV = 8192, H = 64: the epilogue's latency is hidden by more blocks, not by the MMA); the
+  // refill issued once the MMA started instead of before it (343.0 against 307.0 µs, FP8 full ranges).
   for (int it = 0; it < n; ++it) {
     cp_wait<kStages - 2>();
     async_fence();
