@@ -55,18 +55,18 @@ __global__ void __launch_bounds__(kThreads, 1) topk_row_kernel(const DsqTopkArgs
 #if DSQ_TOPK_CACHE_KEYS > 0
 // Clusters of `blocks` blocks a row (a plain launch for one); the body exists in sm_90 code and later only
 // (cache_supported checks that the device runs such code).
-template <int DT, bool ADD>
+template <int DT, int C>
 __global__ void __launch_bounds__(kThreads, 1) topk_cache_kernel(const DsqTopkArgs a, int blocks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char dsq_topk_smem[];
   const int rank = blocks > 1 ? cluster_rank() : 0;
-  cache_block<DT, ADD>(a, blockIdx.x / blocks, rank, blocks, *reinterpret_cast<CacheShared*>(dsq_topk_smem));
+  cache_block<DT, C>(a, blockIdx.x / blocks, rank, blocks, *reinterpret_cast<CacheShared*>(dsq_topk_smem));
 #endif
 }
 
 // Whether the current device runs the cached-row kernel (from sm_90 code: cluster.cuh runs_sm90_code).
 bool cache_supported() {
-  return dsqcl::runs_sm90_code<struct TopkCache>(reinterpret_cast<const void*>(topk_cache_kernel<0, false>));
+  return dsqcl::runs_sm90_code<struct TopkCache>(reinterpret_cast<const void*>(topk_cache_kernel<0, kCollectSum>));
 }
 #endif
 
@@ -110,7 +110,10 @@ struct Stream {
   template <int DT>
   int cache(const DsqTopkArgs& a, int blocks) {
     if (!cache_supported() || a.rows > INT32_MAX / blocks) return -1;
-    auto kernel = cache_adds(blocks) ? topk_cache_kernel<DT, true> : topk_cache_kernel<DT, false>;
+    const int c = cache_collect(blocks);
+    auto kernel = c == kCollectSum   ? topk_cache_kernel<DT, kCollectSum>
+                  : c == kCollectAdd ? topk_cache_kernel<DT, kCollectAdd>
+                                     : topk_cache_kernel<DT, kCollectStage>;
     // clusters past 8 blocks are a non-portable size (sm_90: up to 16)
     if (cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                              sizeof(CacheShared)) != cudaSuccess ||

@@ -87,10 +87,11 @@ struct Host {
       std::memset(static_cast<void*>(sh.get()), 0xA5, sizeof(CacheShared) * blocks);
       emu::run_block(row, blocks * dsqtopk::kThreads, [&] {
         const int r = emu::cluster_rank();
-        if (dsqtopk::cache_adds(blocks))
-          dsqtopk::cache_block<DT, true>(a, row, r, blocks, sh[r]);
-        else
-          dsqtopk::cache_block<DT, false>(a, row, r, blocks, sh[r]);
+        switch (dsqtopk::cache_collect(blocks)) {
+          case dsqtopk::kCollectSum: return dsqtopk::cache_block<DT, dsqtopk::kCollectSum>(a, row, r, blocks, sh[r]);
+          case dsqtopk::kCollectAdd: return dsqtopk::cache_block<DT, dsqtopk::kCollectAdd>(a, row, r, blocks, sh[r]);
+          default: return dsqtopk::cache_block<DT, dsqtopk::kCollectStage>(a, row, r, blocks, sh[r]);
+        }
       }, dsqtopk::kThreads);
     });
     return 0;
