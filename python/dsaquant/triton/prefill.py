@@ -263,12 +263,19 @@ def _mqa_logits_rows(
     # ---- the rows of this program and the union of their key ranges -----------------------------
     rows = i0 + tl.arange(0, BQ)
     row_ok = rows < S
-    lo = tl.minimum(tl.maximum(tl.load(lo_ptr + rows, mask=row_ok, other=0), 0), SKV)   # bounds clamped here
-    hi = tl.minimum(tl.maximum(tl.load(hi_ptr + rows, mask=row_ok, other=0), 0), SKV)
+    # The bounds as given (int32, any value): a key j in [0, SKV) is inside row i's range iff lo[i] <= j < hi[i],
+    # clamped or not; only the union of the ranges, which sets the loop over the tiles, is clamped to [0, SKV].
+    # Clamping each row's bounds instead measured 20 % slower for FP8 on the H100 (its registers allocated
+    # otherwise) and 4 % faster for the FP4 first pass, which therefore clamps them.
+    lo = tl.load(lo_ptr + rows, mask=row_ok, other=0)
+    hi = tl.load(hi_ptr + rows, mask=row_ok, other=0)
+    if LAYOUT == 1:
+        lo = tl.minimum(tl.maximum(lo, 0), SKV)
+        hi = tl.minimum(tl.maximum(hi, 0), SKV)
     base = tl.load(base_ptr + rows, mask=row_ok, other=0)
     nonempty = lo < hi
-    lo_min = tl.min(tl.where(nonempty, lo, SKV), axis=0)
-    hi_max = tl.max(tl.where(nonempty, hi, 0), axis=0)
+    lo_min = tl.minimum(tl.maximum(tl.min(tl.where(nonempty, lo, SKV), axis=0), 0), SKV)
+    hi_max = tl.minimum(tl.maximum(tl.max(tl.where(nonempty, hi, 0), axis=0), 0), SKV)
 
     # ---- query rows r = (i - i0) * H + h, loaded once -------------------------------------------------
     r = tl.arange(0, R)
