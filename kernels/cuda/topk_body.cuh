@@ -645,8 +645,9 @@ TOPK_FN void sort_and_write_part(const DsqTopkArgs& a, int64_t row, int32_t rel,
 // there. Random logits put a few words in a bucket (their counts are small), so the sort costs a few passes over
 // the words instead of the log2(n)^2 / 2 stages of the bitonic network; only the first `limit` slots are written, so
 // the words above and in the threshold bin are sorted as they are, without a selection first. Buckets of more than
-// kBucketMax words (ties, outliers that stretch the range) send the row to the radix selection and the bitonic
-// sort. The result is the same either way: the order of unique words.
+// kBucketMax words (ties, outliers that stretch the range) send the row to the radix selection, whose k taken words
+// are bucket-sorted again or, where they still crowd a bucket, bitonic-sorted. The result is the same either way:
+// the order of unique words.
 constexpr int kBucketMax = 32;
 
 // The smallest and largest key of the words buf[0, n) (n >= 1). Every thread calls it.
