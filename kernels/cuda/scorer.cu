@@ -80,6 +80,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, LAYOUT>)
   // 1024-aligned (the 128-byte swizzle repeats every 1024 bytes); offset from dyn_smem so that every
   // access stays a shared-memory access
   uint8_t* smem = dyn_smem + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) & 1023u)) & 1023u);
+  // Launched as a programmatic dependent (launch below): the next kernel in the stream may start its blocks as this
+  // one's leave; this one reads and writes global memory only once the kernel before it has completed.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   dsqsc::paged_logits_block<H, NQ, LAYOUT>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, n_pages, p_shift,
                                            smem);
 #endif
@@ -139,16 +143,32 @@ int resident_ctas(int dev) {
 
 template <int H, int NQ, int LAYOUT>
 int launch(const DsqPagedLogitsArgs& a, int sms, cudaStream_t stream) {
-  const dsqsc::Plan p = dsqsc::plan(a, NQ, static_cast<int64_t>(resident_ctas<H, NQ, LAYOUT>(a.device)) * sms);
+  const int64_t slots = static_cast<int64_t>(resident_ctas<H, NQ, LAYOUT>(a.device)) * sms;
+  const dsqsc::Plan p = dsqsc::plan(a, NQ, slots);
   const int bytes = smem_plan(H * NQ, is_fp4(LAYOUT), p.n_pages).total + 1024;
   auto kernel = paged_logits_kernel<H, NQ, LAYOUT>;
   if (bytes > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
   }
-  kernel<<<dim3(p.splits, p.groups, static_cast<unsigned>(a.B)), kThreads, bytes, stream>>>(a, p.tiles_per_block,
-                                                                                          p.n_pages, p.p_shift);
-  return cudaGetLastError();
+  // Programmatic stream serialization where the grid fills at least 85 % of the resident slots: the kernel's
+  // blocks may be placed on SMs while the previous kernel in the stream drains (the kernel waits for its completion
+  // before any global access), so its launch and block placement overlap that kernel's last blocks; in a CUDA
+  // graph the dependency is captured as such. Grids that leave many slots free measured slower with it on the
+  // H100 (FP4 tiles of 64 q rows at (4, 1, 32768) and (1, 1, 65536): 512 blocks, 78 % of five an SM), presumably
+  // because blocks placed early go to the SMs that free up first, crowding some SMs while others idle.
+  const int64_t blocks = static_cast<int64_t>(p.splits) * p.groups * a.B;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(p.splits, p.groups, static_cast<unsigned>(a.B));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = blocks * 20 >= slots * 17 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, a, p.tiles_per_block, p.n_pages, p.p_shift);
 }
 
 template <int L>
