@@ -23,6 +23,39 @@ using namespace dsq_sm90;   // thread_id, block_sync, shfl_xor, cp16 .. cp_wait,
 __device__ __forceinline__ bool any_sync(bool p) { return __any_sync(0xFFFFFFFFu, p) != 0; }
 __device__ __forceinline__ void flag_or(int32_t* p, int v) { atomicOr(p, v); }
 
+#ifdef DSQ_SCORER_PHASES
+// A build for dev/scorer_phases.py: thread 0 of each of the first kPhaseBlocks blocks (by linear block index)
+// records clock64 at phase boundary k < 28 of scorer_body.cuh (SC_PHASE) into row b of dsq_phases; at its end,
+// the clock, the global timer, and 1 + its SM's index (words 28 .. 30; word 31: the global timer at its start).
+constexpr int kPhaseBlocks = 4096;
+__device__ unsigned long long dsq_phases[kPhaseBlocks * 32];
+__device__ __forceinline__ unsigned phase_block() {
+  return (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+}
+__device__ __forceinline__ unsigned long long global_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void phase(int k) {
+  const unsigned b = phase_block();
+  if (threadIdx.x != 0 || b >= kPhaseBlocks || k >= 28) return;
+  dsq_phases[b * 32 + k] = clock64();
+  if (k == 0) dsq_phases[b * 32 + 31] = global_timer();
+}
+__device__ __forceinline__ void phase_end() {
+  const unsigned b = phase_block();
+  if (threadIdx.x != 0 || b >= kPhaseBlocks) return;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  dsq_phases[b * 32 + 28] = clock64();
+  dsq_phases[b * 32 + 29] = global_timer();
+  dsq_phases[b * 32 + 30] = sm + 1u;
+}
+#define SC_PHASE(k) ::dsqsc::phase(k)
+#define SC_PHASE_END() ::dsqsc::phase_end()
+#endif
+
 }  // namespace dsqsc
 
 #include "scorer_body.cuh"
@@ -225,3 +258,16 @@ extern "C" int dsq_paged_mqa_logits_layout(int64_t* out, int n) {
   for (int i = 0; i < n && i < total; ++i) out[i] = v[i];
   return total;
 }
+
+#ifdef DSQ_SCORER_PHASES
+// dev/scorer_phases.py: clear != 0 zeroes the phase records; else copies the first n words of them to host `out`.
+extern "C" __attribute__((visibility("default"))) int dsq_scorer_phases(unsigned long long* out, int n, int clear) {
+  if (clear) {
+    void* p = nullptr;
+    const cudaError_t e = cudaGetSymbolAddress(&p, dsqsc::dsq_phases);
+    return e != cudaSuccess ? e : cudaMemset(p, 0, sizeof(dsqsc::dsq_phases));
+  }
+  if (n < 0 || n > dsqsc::kPhaseBlocks * 32) return cudaErrorInvalidValue;
+  return cudaMemcpyFromSymbol(out, dsqsc::dsq_phases, static_cast<size_t>(n) * sizeof(unsigned long long));
+}
+#endif

@@ -57,12 +57,21 @@
 //                                           row 16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at acc[4 c + 2 i + j].
 //                                           acc and the operands are the matrix unit's until the group is waited for
 //   template <int N> void mma_wait();       returns when at most N started groups are running
+//   SC_PHASE(k), SC_PHASE_END()             optional: phase boundary k of the block, the block's end (a build that
+//                                           records them for dev/scorer_phases.py; nothing otherwise)
 //   template <int NT> void mma_done(float (&acc)[NT / 2]);   after the wait that retired acc's group: acc is read
 //   void frag_done(uint32_t (&a)[4][4]);    after the wait that retired the group that read a: a may change
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
+
+#ifndef SC_PHASE
+#define SC_PHASE(k)
+#endif
+#ifndef SC_PHASE_END
+#define SC_PHASE_END()
+#endif
 
 #include "dsaquant/arith.h"
 #include "dsaquant/codes.h"
@@ -245,6 +254,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   int* sbad = reinterpret_cast<int*>(smem + plan.bad);
 
   const int tid = thread_id(), lane = tid & 31, warp = tid >> 5;
+  SC_PHASE(0);
   const Geometry geo{static_cast<int>(a.page_size), p_shift};
   const int P = geo.P;
   const int max_seq = static_cast<int>(a.max_seq_len);
@@ -315,6 +325,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   // completing on the barrier of their pair of stages; other tiles by 16-byte copies of every thread.
   constexpr int kPairs = kStages / 2;
   uint64_t* sbars = reinterpret_cast<uint64_t*>(smem + plan.bars);
+  SC_PHASE(1);   // the first loads issued
   if (tid == 0) {
     *sbad = 0;
     if (packed68)
@@ -325,6 +336,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
                                   : -1;
     spages[e - e0] = pg < 0 || pg >= a.num_blocks ? -1 : static_cast<int>(pg);
   }
+  SC_PHASE(2);   // the table's entries stored
   int len[NQ];
   int ctx_max = 0;
   DSQ_UNROLL
@@ -338,6 +350,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   const int read_end = imin(tc * kTile, ctx_max);                      // positions [t0*64, read_end) are read
   const int e1 = read_end > t0 * kTile ? geo.page_of(read_end - 1) + 1 : e0;
   block_sync();   // spages
+  SC_PHASE(3);
   for (int e = e0 + tid; e < e1; e += kThreads)
     if (spages[e - e0] < 0) {
       flag_or(a.err_flag, kPageOutOfRange);
@@ -487,6 +500,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   };
   DSQ_UNROLL
   for (int p = 0; p < kAhead; ++p) issue_pair(p);
+  SC_PHASE(4);   // the first pairs' copies issued
 
   // ---- q rows (NT x 128 e4m3, swizzled) and head weights, once per block ---------------------------
   if constexpr (!FP4) {
@@ -504,8 +518,10 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       sw[tid] = q_ok ? qw * s : 0.f;
     }
   }
+  SC_PHASE(5);     // the q rows stored
   async_fence();   // q rows written with plain stores, read by the matrix unit
   block_sync();    // q rows, weights, the FP4 table
+  SC_PHASE(6);
   float wr[NT / 4];   // this thread's head weights: columns 8c + 2(lane%4) + j at 2c + j
   DSQ_UNROLL
   for (int c = 0; c < NT / 8; ++c) {
@@ -736,10 +752,12 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     if (packed68) bar_wait(sbars + p % kPairs, (p / kPairs) & 1);
     if constexpr (!FP4) async_fence();
     block_sync();
+    SC_PHASE(7 + 2 * p);   // pair p landed
     const int i = 2 * p;
     if constexpr (!kDual) {
       one_tile(i, [&] { issue_pair(p + kAhead); });
       if (i + 1 < n_tiles) one_tile(i + 1, [] {});
+      SC_PHASE(8 + 2 * p);   // pair p's logits stored
       continue;
     }
     issue_pair(p + kAhead);
@@ -765,6 +783,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       add_sums(z, I1{}, std::integral_constant<int, 0>{});
       finish(z, i + 1);
     }
+    SC_PHASE(8 + 2 * p);
   }
   cp_wait<0>();   // no copy may land in the block's shared memory after it exits
 
@@ -783,6 +802,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
       }
     }
   }
+  SC_PHASE_END();
 }
 
 // ---- host side: what the launch supports, its queries per block and its work split ---------------------------
