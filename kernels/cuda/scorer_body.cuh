@@ -57,10 +57,10 @@
 //                                           row 16 w + l / 4 + 8 i, column 8 c + 2 (l % 4) + j at acc[4 c + 2 i + j].
 //                                           acc and the operands are the matrix unit's until the group is waited for
 //   template <int N> void mma_wait();       returns when at most N started groups are running
-//   SC_PHASE(k), SC_PHASE_END()             optional: phase boundary k of the block, the block's end (a build that
-//                                           records them for dev/scorer_phases.py; nothing otherwise)
 //   template <int NT> void mma_done(float (&acc)[NT / 2]);   after the wait that retired acc's group: acc is read
 //   void frag_done(uint32_t (&a)[4][4]);    after the wait that retired the group that read a: a may change
+//   SC_PHASE(k), SC_PHASE_END()             optional: phase boundary k of the block, the block's end (a build that
+//                                           records them for dev/scorer_phases.py; nothing otherwise)
 #pragma once
 
 #include <cstdint>
