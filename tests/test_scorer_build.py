@@ -4,51 +4,32 @@ its build with the phase records of dev/scorer_phases.py (-DDSQ_SCORER_PHASES; w
 registers) builds without warnings and adds their reader."""
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import build_native as bn  # noqa: E402
+from nvcc_build import REPO, build_shared, exported_functions, frames, needs_nvcc
 
-NVCC = bn.find_nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin)")
+pytestmark = needs_nvcc
 TU = REPO / "kernels" / "cuda" / "scorer.cu"
 INTERFACE = {"dsq_paged_mqa_logits", "dsq_paged_mqa_logits_layout"}
 
 
 @pytest.fixture(scope="module", params=["release", "phases"])
 def built(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"scorer_{request.param}")
-    flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
-    extra = ["-DDSQ_SCORER_PHASES"] if request.param == "phases" else []
-    so = out / "libscorer.so"
-    cmd = [NVCC, *flags, *extra, "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-shared", str(TU), "-o",
-           str(so)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
-    return request.param, so, res.stderr
+    so = tmp_path_factory.mktemp(f"scorer_{request.param}") / "libscorer.so"
+    extra = ("-DDSQ_SCORER_PHASES",) if request.param == "phases" else ()
+    return request.param, so, build_shared(TU, so, "90a", extra)
 
 
 def test_no_warnings_spills_or_stack(built):
     kind, _, log = built
     assert "warning" not in log.lower().replace("ptxas info", ""), log
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) >= 30, log   # 3 layouts x 10 (H, queries a block) instances
+    found = frames(log)
+    assert len(found) >= 30, log   # 3 layouts x 10 (H, queries a block) instances
     if kind == "release":
-        assert all(f == ("0", "0", "0") for f in frames), frames
+        assert all(f == ("0", "0", "0") for f in found), found
 
 
 def test_exports_only_the_c_interface(built):
     kind, so, _ = built
-    nm = shutil.which("nm")
-    if nm is None:
-        pytest.skip("nm not found")
-    syms = subprocess.run([nm, "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout
-    names = {line.split()[-1] for line in syms.splitlines() if " T " in line}
+    names = exported_functions(so)
     assert names == (INTERFACE | {"dsq_scorer_phases"} if kind == "phases" else INTERFACE), names

@@ -5,20 +5,11 @@ functions run here (no GPU): the plan and workspace size equal the Python mirror
 (dsaquant.backends.topk_abi), and bad arguments are refused before any CUDA call."""
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import build_native as bn  # noqa: E402
+from nvcc_build import REPO, build_shared, exported_functions, frames, needs_nvcc
 
-NVCC = bn.find_nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin)")
+pytestmark = needs_nvcc
 TU = REPO / "kernels" / "cuda" / "topk.cu"
 
 
@@ -26,31 +17,20 @@ TU = REPO / "kernels" / "cuda" / "topk.cu"
 def built(request, tmp_path_factory):
     pytest.importorskip("pybind11")
     arch = request.param
-    out = tmp_path_factory.mktemp(f"topk_{arch}")
-    flags = [f for f in bn.nvcc_flags() if not f.startswith("-gencode")]
-    so = out / "libtopk.so"
-    cmd = [NVCC, *flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-shared", str(TU),
-           "-o", str(so)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
-    return arch, so, res.stderr
+    so = tmp_path_factory.mktemp(f"topk_{arch}") / "libtopk.so"
+    return arch, so, build_shared(TU, so, arch)
 
 
 def test_no_warnings_spills_or_stack(built):
     arch, _, log = built
     assert "warning" not in log.lower().replace("ptxas info", ""), log
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) >= 12, log                     # 3 logits dtypes x 4 kernels
-    assert all(f == ("0", "0", "0") for f in frames), f"sm_{arch}: {frames}"
+    found = frames(log)
+    assert len(found) >= 12, log                      # 3 logits dtypes x 4 kernels
+    assert all(f == ("0", "0", "0") for f in found), f"sm_{arch}: {found}"
 
 
 def test_exports_only_the_c_interface(built):
-    _, so, _ = built
-    nm = shutil.which("nm")
-    if nm is None:
-        pytest.skip("nm not found")
-    syms = subprocess.run([nm, "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout
-    names = {line.split()[-1] for line in syms.splitlines() if " T " in line}
+    names = exported_functions(built[1])
     assert {"dsq_topk_indices", "dsq_topk_workspace_bytes", "dsq_topk_plan_chunks"} <= names, names
     assert not [n for n in names if "topk_kernel" in n], names
 
