@@ -113,8 +113,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, LAYOUT>)
   // 1024-aligned (the 128-byte swizzle repeats every 1024 bytes); offset from dyn_smem so that every
   // access stays a shared-memory access
   uint8_t* smem = dyn_smem + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) & 1023u)) & 1023u);
-  // Launched as a programmatic dependent (launch below): the next kernel in the stream may start its blocks as this
-  // one's leave; this one reads and writes global memory only once the kernel before it has completed.
+  // Where launch() makes it a programmatic dependent, the next kernel in the stream may start its blocks as this
+  // one's leave, and this one reads and writes global memory only once the kernel before it has completed; in a
+  // plain launch both instructions return at once.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   dsqsc::paged_logits_block<H, NQ, LAYOUT>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, n_pages, p_shift,
