@@ -47,3 +47,36 @@ def test_describe_code_family_and_plain_cubins():
     assert describe_code(["sm_90a", "sm_100f", "compute_80"], 100, 100) == "cubin sm_100f"
     assert describe_code(["sm_80", "compute_80"], 80, 80) == "cubin sm_80"   # also on an sm_86 GPU (same major)
     assert describe_code([], 90, 90) == "cubin sm_90"
+
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels" / "cuda"
+# The dependent launch: the launch attribute, the launch call that takes it, and the instructions that a kernel so
+# launched must run before it touches global memory (kernels/cuda/launch.cuh).
+DEPENDENT_LAUNCH = ("griddepcontrol", "cudaLaunchAttributeProgrammaticStreamSerialization", "cudaLaunchKernelEx",
+                    "cudaLaunchAttributeClusterDimension")
+
+
+def _outside_launch_header(root: Path) -> list[str]:
+    return [f"{p.name}: {word}" for p in sorted(root.glob("*")) if p.name != "launch.cuh" and p.is_file()
+            for word in DEPENDENT_LAUNCH if word in p.read_text()]
+
+
+def test_dependent_launch_has_one_home():
+    """Every launch with attributes (dependent, clusters) goes through dsq_launch::launch, and the griddepcontrol
+    instructions are dsq_launch::dependent_entry's alone; each kernel that a launch site may make dependent calls it."""
+    assert _outside_launch_header(KERNELS) == []
+    for name, kernel in [("scorer.cu", "paged_logits_kernel"), ("topk.cu", "topk_cache_kernel"),
+                         ("compress.cu", "compress_kv_kernel"), ("compress.cu", "rope_rotate_kernel"),
+                         ("indexer.cu", "indexer_kernel"), ("qpack.cu", "qpack_kernel"),
+                         ("kstore_qpack.cu", "kstore_kernel")]:
+        text = (KERNELS / name).read_text()
+        body = text[text.index(f" {kernel}("):]
+        body = body[:body.index("\n}\n")]
+        assert "dsq_launch::dependent_entry();" in body, (name, kernel)
+        assert "dsq_launch::launch(" in text, name
+
+
+def test_the_one_home_check_catches(tmp_path):
+    (tmp_path / "launch.cuh").write_text('asm volatile("griddepcontrol.wait;");')
+    (tmp_path / "other.cu").write_text("cudaLaunchKernelEx(&cfg, k);")
+    assert _outside_launch_header(tmp_path) == ["other.cu: cudaLaunchKernelEx"]

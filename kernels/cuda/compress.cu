@@ -18,6 +18,7 @@
 
 #include "compress.h"
 #include "cluster.cuh"
+#include "launch.cuh"
 
 namespace dsqv4 {
 
@@ -76,6 +77,7 @@ namespace dsqv4 {
 template <int K, int D, int MODE>
 __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(CompressArgs a) {
   __shared__ CompressSmem sm;
+  dsq_launch::dependent_entry();
   if constexpr (kSplitOf<MODE> > 1) {
 #if defined(DSQ_V4_CLUSTERS) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     compress_block<K, D, MODE>(a, sm);
@@ -89,13 +91,15 @@ __global__ void __launch_bounds__(256, K <= 8 ? 2 : 1) compress_kv_kernel(Compre
 template <int D, int V, int MODE>
 __global__ void __launch_bounds__(rot::kThreads, 3) rope_rotate_kernel(RotateArgs a, rot::Run run) {
   __shared__ rot::RotateSmem sm;
+  dsq_launch::dependent_entry();
   rot::rotate_block<D, V, MODE>(a, run, sm);
 }
 
 template <int D, int V, int MODE>
 int launch_rotate(const RotateArgs& a, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(rot::rotate_grid(a, V));
-  rope_rotate_kernel<D, V, MODE><<<grid, rot::kThreads, 0, stream>>>(a, rot::rotate_run(a, V));
+  static_cast<void>(dsq_launch::launch(rope_rotate_kernel<D, V, MODE>, {dim3(grid), dim3(rot::kThreads)}, stream,
+                                       dsq_launch::kWriters, a, rot::rotate_run(a, V)));
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -130,18 +134,8 @@ int launch_split(const CompressArgs& a, cudaStream_t stream) {
   constexpr int S = kSplitOf<MODE>;
   const auto kernel = compress_kv_kernel<K, D, MODE>;
   if (!dsqcl::runs_sm90_code<struct CompressSplit>(reinterpret_cast<const void*>(kernel))) return -1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(compress_grid(a, false, S)));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = S;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return 0;
+  const dsq_launch::Shape shape{dim3(static_cast<unsigned>(compress_grid(a, false, S))), dim3(kThreads), 0, S};
+  if (dsq_launch::launch(kernel, shape, stream, dsq_launch::kWriters, a) == cudaSuccess) return 0;
   static_cast<void>(cudaGetLastError());
   return -1;
 }
@@ -163,16 +157,15 @@ int launch_compress_k(const CompressArgs& a, cudaStream_t stream) {
 #endif
   const bool warps = compress_warp_ranges(a);
   const unsigned grid = static_cast<unsigned>(compress_grid(a, warps));
+  auto go = [&](auto kernel) {
+    return static_cast<int>(dsq_launch::launch(kernel, {dim3(grid), dim3(kThreads)}, stream, dsq_launch::kWriters, a));
+  };
   if constexpr (K <= 8) {
-    if (warps) {
-      compress_kv_kernel<K, 128, kRangeWarp><<<grid, kThreads, 0, stream>>>(a);
-      return static_cast<int>(cudaGetLastError());
-    }
+    if (warps) return go(compress_kv_kernel<K, 128, kRangeWarp>);
   }
-  if (a.D == 128) compress_kv_kernel<K, 128, kRangeBlock><<<grid, kThreads, 0, stream>>>(a);
-  else if (a.D == 512) compress_kv_kernel<K, 512, kRangeBlock><<<grid, kThreads, 0, stream>>>(a);
-  else return static_cast<int>(cudaErrorInvalidValue);
-  return static_cast<int>(cudaGetLastError());
+  if (a.D == 128) return go(compress_kv_kernel<K, 128, kRangeBlock>);
+  if (a.D == 512) return go(compress_kv_kernel<K, 512, kRangeBlock>);
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace dsqv4

@@ -18,6 +18,7 @@
 // Template parameters: MODE kModeFp8 = FP8, kModeFp4<r> = FP4 with rounding policy r (SPEC §2); IN_DT the
 // q/k dtype; CDT the cos/sin table dtype; NEOX the RoPE style.
 #include "indexer.h"
+#include "launch.cuh"
 #include "qrows.cuh"   // the split8 rows, q_heads; row16.cuh (scalar loads, rope_load, with_*), lanes.cuh
 
 namespace dsqk {
@@ -293,6 +294,7 @@ __global__ void __launch_bounds__(256, MODE == kModeFp8 ? DSQ_INDEXER_MIN_BLOCKS
     indexer_kernel(IndexerArgs a, int64_t nk_first, int64_t nq, int chunks, int chunk_heads) {
   using QRow = IndexerQRow<MODE, IN_DT, CDT, NEOX>;
   __shared__ uint4 smem[kSmemVec4<QRow>];
+  dsq_launch::dependent_entry();
   // Blocks [0, nk_first) are k blocks, then nq q blocks, then the other k blocks (host: below).
   const int64_t b = static_cast<int64_t>(blockIdx.x) - nk_first;
   if (b >= 0 && b < nq) {
@@ -339,7 +341,9 @@ int dsq_indexer_launch(const IndexerArgs& a, cudaStream_t stream) {
 #if !defined(__HIP__)
           if constexpr (IndexerQRow<M, D, C, N>::kStages >= 2) prefer_shared_memory<indexer_kernel<M, D, C, N>>(stream);
 #endif
-          indexer_kernel<M, D, C, N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, nk_first, nq, chunks, kGroups);
+          const dsq_launch::Shape shape{dim3(static_cast<unsigned>(blocks)), dim3(256)};
+          static_cast<void>(dsq_launch::launch(indexer_kernel<M, D, C, N>, shape, stream, dsq_launch::kWriters, a,
+                                               nk_first, nq, chunks, kGroups));
         });
       });
     });

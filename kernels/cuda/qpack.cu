@@ -11,6 +11,7 @@
 // applies, an Inf amax, an amax2 past the bf16 range) takes the general bf16x2 form instead, per lane. fp16 q,
 // the e4m3 fake quant and HIP use the scalar definitions (e2m1.h, ue8m0.h, fake_quant.h) on fp32 values.
 #include "indexer.h"
+#include "launch.cuh"
 #include "qrows.cuh"
 
 // Tuning: the indexer's FP4 values (the same loop at the same size; dev/cuda_variants.sh builds variants).
@@ -160,6 +161,7 @@ struct QPackRow {
 template <int IN_DT, int MODE>
 __global__ void __launch_bounds__(256, DSQ_QPACK_MIN_BLOCKS) qpack_kernel(QPackArgs a, int chunks, int chunk_heads) {
   using Row = QPackRow<IN_DT, MODE>;
+  dsq_launch::dependent_entry();
 #if !defined(__HIP__)
   __shared__ uint4 smem[kQSmemVec4<Row> > 0 ? kQSmemVec4<Row> : 1];
   q_block<Row>(a, blockIdx.x, chunks, chunk_heads, smem);
@@ -186,7 +188,8 @@ int dsq_qpack_launch(const QPackArgs& a, cudaStream_t stream) {
 #if !defined(__HIP__)
       if constexpr (QPackRow<D, M>::kStages >= 2) prefer_shared_memory<qpack_kernel<D, M>>(stream);
 #endif
-      qpack_kernel<D, M><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a, chunks, kGroups);
+      static_cast<void>(dsq_launch::launch(qpack_kernel<D, M>, {dim3(static_cast<unsigned>(blocks)), dim3(256)}, stream,
+                                           dsq_launch::kWriters, a, chunks, kGroups));
     };
     if (a.mode == kPack) launch(IC<kPack>{});
     else if (a.mode == kFakeUe8m0) launch(IC<kFakeUe8m0>{});

@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "device.h"
+#include "launch.cuh"
 #include "scorer.h"
 #include "sm90_layer.cuh"
 
@@ -113,11 +114,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, LAYOUT>)
   // 1024-aligned (the 128-byte swizzle repeats every 1024 bytes); offset from dyn_smem so that every
   // access stays a shared-memory access
   uint8_t* smem = dyn_smem + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(dyn_smem)) & 1023u)) & 1023u);
-  // Where launch() makes it a programmatic dependent, the next kernel in the stream may start its blocks as this
-  // one's leave, and this one reads and writes global memory only once the kernel before it has completed; in a
-  // plain launch both instructions return at once.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  dsq_launch::dependent_entry();   // launch() below may make it a dependent launch (launch.cuh)
   dsqsc::paged_logits_block<H, NQ, LAYOUT>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, n_pages, p_shift,
                                            smem);
 #endif
@@ -192,17 +189,10 @@ int launch(const DsqPagedLogitsArgs& a, int sms, cudaStream_t stream) {
   // H100 (FP4 tiles of 64 q rows at (4, 1, 32768) and (1, 1, 65536): 512 blocks, 78 % of five an SM), presumably
   // because blocks placed early go to the SMs that free up first, crowding some SMs while others idle.
   const int64_t blocks = static_cast<int64_t>(p.splits) * p.groups * a.B;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(p.splits, p.groups, static_cast<unsigned>(a.B));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = blocks * 20 >= slots * 17 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, a, p.tiles_per_block, p.n_pages, p.p_shift);
+  const dsq_launch::Shape shape{dim3(p.splits, p.groups, static_cast<unsigned>(a.B)), dim3(kThreads),
+                                static_cast<size_t>(bytes)};
+  const bool dependent = blocks * 20 >= slots * 17;
+  return dsq_launch::launch(kernel, shape, stream, dependent, a, p.tiles_per_block, p.n_pages, p.p_shift);
 }
 
 template <int L>

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cluster.cuh"
+#include "launch.cuh"
 
 #if defined(__HIP__)
 #define DSQ_TOPK_AMD 1
@@ -59,6 +60,7 @@ template <int DT, int C>
 __global__ void __launch_bounds__(kThreads, 1) topk_cache_kernel(const DsqTopkArgs a, int blocks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char dsq_topk_smem[];
+  dsq_launch::dependent_entry();   // launched as a dependent (launch.cuh)
   const int rank = blocks > 1 ? cluster_rank() : 0;
   cache_block<DT, C>(a, blockIdx.x / blocks, rank, blocks, *reinterpret_cast<CacheShared*>(dsq_topk_smem));
 #endif
@@ -122,19 +124,9 @@ struct Stream {
       static_cast<void>(cudaGetLastError());
       return -1;
     }
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(a.rows * blocks));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = sizeof(CacheShared);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(blocks);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = blocks > 1 ? 1 : 0;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a, blocks);
+    const dsq_launch::Shape shape{dim3(static_cast<unsigned>(a.rows * blocks)), dim3(kThreads), sizeof(CacheShared),
+                                  static_cast<unsigned>(blocks)};
+    const cudaError_t e = dsq_launch::launch(kernel, shape, stream, dsq_launch::kTopk, a, blocks);
     if (e == cudaSuccess) return 0;
     static_cast<void>(cudaGetLastError());
     return -1;
