@@ -8,7 +8,7 @@ rotate (rope_rotate_quant, D = 128, into FP4), kpack (index_k_norm_rope_pack_sto
 128, FP4 packed68, the bench's arguments), compress_dec (compress_kv decode, the bench's 64 sequences of one token).
 Read side (the bench's shapes): topk64 (top-2048 of [64, 65536] fp32), topk4 (of [4, 163840]): on sm_90 both the
 cached-row kernel, in clusters of 2 and 8 blocks a row, scorer_fp8_132 / scorer_packed68 / scorer_aiter_fp4
-(paged_mqa_logits, batch 64, next_n 1, context 8192, full), prefill_fp8 / prefill_fp4 (mqa_logits, S = 2048,
+(paged_mqa_logits, batch 64, next_n 1, context 8192, full; scorer_LAYOUT:B:N:CONTEXT another shape, H = 64), prefill_fp8 / prefill_fp4 (mqa_logits, S = 2048,
 SKV = 8192, full ranges: the CUDA kernel; FP4's Triton passes do not match KERNELS).
 """
 import sys
@@ -61,8 +61,9 @@ elif what in ("topk64", "topk4"):
 elif what.startswith("scorer_"):
     from dsaquant import ops
     from dsaquant.bench_scorer import inputs
-    layout = what[len("scorer_"):]
-    a = inputs(layout, 64, 1, 64, 8192, "full", 0)
+    layout, *shape = what[len("scorer_"):].split(":")
+    B, N, ctx = (int(x) for x in shape) if shape else (64, 1, 8192)
+    a = inputs(layout, B, N, 64, ctx, "full", 0)
     call = lambda: ops.paged_mqa_logits(layout=layout, backend=backend, **a)  # noqa: E731
 elif what.startswith("prefill_"):
     from dsaquant.bench_prefill import make_prefill_inputs
