@@ -30,6 +30,7 @@
 
 #include "dsaquant/dsaquant.h"
 #include "compress_args.h"
+#include "compress_body.cuh"   // load_i, rope_cs
 
 namespace dsqv4 {
 namespace rot {
@@ -75,24 +76,6 @@ V4_FN float abs_v(float v) {
 #endif
 }
 V4_FN float half_to_f32(uint16_t h, int dt) { return dt == kBF16 ? bf16_to_f32(h) : fp16_to_f32(h); }
-V4_FN float table_f(const void* p, int64_t i, int dt) {   // a RoPE table entry as fp32 (exact)
-  return dt == kF32 ? static_cast<const float*>(p)[i] : half_to_f32(static_cast<const uint16_t*>(p)[i], dt);
-}
-V4_FN int64_t load_pos(const RotateArgs& a, int64_t t) {
-  return a.pos_dt == kI64 ? static_cast<const int64_t*>(a.positions)[t]
-                          : static_cast<int64_t>(static_cast<const int32_t*>(a.positions)[t]);
-}
-// SPEC §5: (cos, sin) of pair j at table row p.
-V4_FN void rope_entry(const RopeTable& r, int64_t p, int j, float& c, float& s) {
-  if (r.pairs) {
-    const float* f = static_cast<const float*>(r.cos) + p * r.row_stride + 2 * j;
-    c = f[0];
-    s = f[1];
-  } else {
-    c = table_f(r.cos, p * r.row_stride + j, r.dtype);
-    s = table_f(r.sin, p * r.row_stride + j, r.dtype);
-  }
-}
 
 // The lane's V values x[0 .. V-1] from element `off` of x (a row's dense last dim), as fp32 (exact). The vector
 // path issues every 16-byte load of the lane before converting any: the conversions branch on the dtype, and a
@@ -397,11 +380,11 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
     const int ntok = (G::kRows >> run.h_shift) > 0 ? (G::kRows >> run.h_shift) : 1;
     for (int i = tid; i < 32 * ntok; i += kThreads) {
       const int64_t tk = tok0 + i / 32;
-      const int64_t pos = load_pos(a, tk < a.T ? tk : a.T - 1);
+      const int64_t pos = load_i(a.positions, tk < a.T ? tk : a.T - 1, a.pos_dt);
       if ((i & 31) == 0 && tk < a.T && (pos < 0 || pos >= a.rope.max_pos))
         atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));
       float c, s;
-      rope_entry(a.rope, rope_position(pos, a.rope.max_pos, 1), i & 31, c, s);
+      rope_cs(a.rope, rope_position(pos, a.rope.max_pos, 1), i & 31, c, s);
       sm.cs[2 * i] = c;
       sm.cs[2 * i + 1] = s;
     }
@@ -419,7 +402,7 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
   constexpr int kTail0 = V >= 64 ? V - 64 : 0;          // first tail value of a tail lane
   const bool tail_lane = V >= 64 ? lane == L - 1 : lane >= L - 64 / V;
   if (!run.table) {                                      // read per row: the row's first lane reports its token
-    const int64_t pos = load_pos(a, w.t);
+    const int64_t pos = load_i(a.positions, w.t, a.pos_dt);
     if (w.live && w.h == 0 && lane == 0 && (pos < 0 || pos >= a.rope.max_pos))
       atomic_or(a.err_flag, code(ErrFlag::position_out_of_range));
     if (tail_lane) {
@@ -428,7 +411,7 @@ V4_FN void rotate_block(const RotateArgs& a, const Run& run, RotateSmem& sm) {
       V4_UNROLL
       for (int k = 0; k < (V - kTail0) / 2; ++k) {
         float c, s;
-        rope_entry(a.rope, p, j0 + k, c, s);
+        rope_cs(a.rope, p, j0 + k, c, s);
         rope_pair(x[kTail0 + 2 * k], x[kTail0 + 2 * k + 1], c, s);
       }
     }
