@@ -26,11 +26,21 @@ namespace dsq_launch {
 constexpr bool kWriters = DSQ_DEPENDENT_WRITERS != 0;
 constexpr bool kTopk = DSQ_DEPENDENT_TOPK != 0;
 
-__device__ __forceinline__ void dependent_entry() {
+// dependent_entry() in two steps, for a kernel with work to do in between that reads no global memory the kernel
+// ahead may write (or reads it only to choose what to prefetch, never to compute with).
+__device__ __forceinline__ void allow_dependents() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_previous() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void dependent_entry() {
+  allow_dependents();
+  wait_previous();
 }
 
 // A launch's grid, blocks, dynamic shared memory and cluster size (blocks; 1: no cluster).
