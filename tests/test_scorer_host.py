@@ -61,8 +61,9 @@ def ref_args(a, layout, P):
             a.get("q_scale"), a.get("kv_cache_scale"), a["weight_scale"], a.get("preshuffle", False), "e4m3fn", P)
 
 
-def emulate(lib, a, layout, P, *, clean=True, out_dtype=torch.float32, splits=0, slots=8, order=0):
-    """(logits, error flag) of the emulated kernel; entries it does not write keep UNTOUCHED."""
+def emulate(lib, a, layout, P, *, clean=True, out_dtype=torch.float32, splits=0, slots=8, order=0, prefetch=False):
+    """(logits, error flag) of the emulated kernel; entries it does not write keep UNTOUCHED. `prefetch`: each block
+    runs the prefetch of a dependent launch (prefetch_block) first, whose every prefetch the emulator checks."""
     args = ref_args(a, layout, P)
     B, N = a["q"].shape[:2]
     out = torch.full((B * N, a["max_seq_len"]), UNTOUCHED, dtype=out_dtype)
@@ -70,6 +71,7 @@ def emulate(lib, a, layout, P, *, clean=True, out_dtype=torch.float32, splits=0,
     st = abi.make_args(*args[:11], P, clean, out, flag, 0, splits)
     lib.dsq_emu_set_order(order, 11)
     lib.dsq_emu_set_slots(slots)
+    lib.dsq_emu_set_prefetch(int(prefetch))
     rc = lib.dsq_paged_mqa_logits(ctypes.byref(st), None)
     assert rc == 0, f"rc {rc}: {lib.dsq_error_string(rc).decode()}"
     return out, int(flag)
@@ -172,6 +174,22 @@ def test_hostile_tables(lib, layout):
     out, flag = emulate(lib, a, layout, 64, splits=3)
     check(out, a, layout, 64, f"hostile {layout}")
     assert flag & FLAG_PAGE
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefetch_stays_inside_the_inputs(lib, layout):
+    """The prefetch of a dependent launch (prefetch_block, a DSQ_SCORER_PREFETCH build) names only bytes of the q rows
+    and of the cache, 16-byte aligned (the emulator checks every one), for every page size, split, 64-bit tables and
+    hostile ones (entries outside [0, num_blocks), contexts past the table); the logits are those without it."""
+    sizes = (16, 32, 64, 128) if layout == "aiter_fp4" else (16, 32, 64, 96, 128)
+    cases = [(make(layout, 3, 2, 32, 700, P=P, seed=30 + i, ctx_form="2d"), P) for i, P in enumerate(sizes)]
+    cases.append((scorer_hostile_tables(make(layout, 5, 2, 32, 640, seed=6, ctx_form="2d")), 64))
+    for i, (a, P) in enumerate(cases):
+        if i % 2:
+            a["block_tables"] = a["block_tables"].to(torch.int64)
+        for splits in (0, 3):
+            out, _ = emulate(lib, a, layout, P, splits=splits, prefetch=True)
+            check(out, a, layout, P, f"prefetch {layout} P={P} splits={splits}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

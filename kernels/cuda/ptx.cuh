@@ -56,6 +56,10 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, int by
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+// `bytes` (a multiple of 16) at src (16-byte aligned) fetched into L2, nothing waited for.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
 // max(x, 0) that keeps NaN (relu as the reference computes it), one instruction.
 __device__ __forceinline__ float relu_nan(float x) {
   float r;

@@ -107,51 +107,10 @@ constexpr bool is_fp4(int layout) { return layout != DSQ_SCORER_FP8_132; }
 
 // A variant to time (dev/cuda_variants.sh "plain:" "prefetch:-DDSQ_SCORER_PREFETCH=1"), off by default: where the
 // launch is a dependent one, a block's first loads are prefetched into L2 while the kernel ahead still runs
-// (prefetch_start), so that after the wait they hit L2: a block's time to its first product (about 3.7 µs of 11
-// at (4, 4, 32768) on the H100) is mostly such loads.
+// (scorer_body.cuh prefetch_block), so that after the wait they hit L2: a block's time to its first product
+// (about 3.7 µs of 11 at (4, 4, 32768) on the H100) is mostly such loads.
 #ifndef DSQ_SCORER_PREFETCH
 #define DSQ_SCORER_PREFETCH 0
-#endif
-
-#if DSQ_SCORER_PREFETCH
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {   // 16-byte aligned, a multiple of 16
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ int64_t load_index_l2(const void* p, int64_t i, int dtype) {   // not cached in L1
-  if (dtype == dsq::kI64) return __ldcg(static_cast<const long long*>(p) + i);
-  return __ldcg(static_cast<const int*>(p) + i);
-}
-
-// Before the wait for the kernel ahead (which may still be writing any input): L2 prefetches of block (split,
-// group, b)'s q rows and of the cache pages of its first tiles (those whose copies it issues first). The pages'
-// block-table entries are read here, through L2 only (no L1 line of them outlives the wait), and may be stale:
-// they choose what to prefetch, inside the cache (entries outside [0, num_blocks) are skipped), and nothing else.
-template <int H, int NQ, int LAYOUT>
-__device__ __forceinline__ void prefetch_start(const DsqPagedLogitsArgs& a, int split, int group, int64_t b,
-                                               int tiles_per_cta, int p_shift) {
-  constexpr bool FP4 = LAYOUT != DSQ_SCORER_FP8_132;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t n0 = static_cast<int64_t>(group) * NQ;
-  if (tid == 0 && n0 < a.N) {   // the q rows (payload bytes) of the block's queries
-    const int64_t nq = a.N - n0 < NQ ? a.N - n0 : NQ;
-    const int64_t row_bytes = FP4 ? 64 : 128;
-    const uint8_t* q = static_cast<const uint8_t*>(a.q) + (b * a.N + n0) * H * row_bytes;
-    prefetch_l2(q, static_cast<uint32_t>(nq * H * row_bytes));
-  }
-  const dsqsc::Geometry geo{static_cast<int>(a.page_size), p_shift};
-  const int64_t first = static_cast<int64_t>(split) * tiles_per_cta * kTile;
-  const int64_t end_tile = first + static_cast<int64_t>(2 * (dsqsc::stages_of(FP4) / 2 - 1)) * kTile;
-  const int64_t end = end_tile < a.max_seq_len ? end_tile : a.max_seq_len;
-  if (first >= end) return;
-  const int e = geo.page_of(static_cast<int>(first)) + tid;   // one page a thread
-  if (e > geo.page_of(static_cast<int>(end - 1)) || e >= a.max_blocks) return;
-  const int64_t pg = load_index_l2(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype);
-  if (pg < 0 || pg >= a.num_blocks) return;
-  const int64_t P = a.page_size;
-  const int64_t page_bytes = P * (FP4 ? (LAYOUT == DSQ_SCORER_PACKED68 ? dsq::kPacked68Row : 64) : dsq::kFp8132Row);
-  prefetch_l2(a.kv_cache + pg * page_bytes, static_cast<uint32_t>(page_bytes));
-  if (LAYOUT == DSQ_SCORER_AITER_FP4) prefetch_l2(a.kv_scale + pg * 4 * P, static_cast<uint32_t>(4 * P));
-}
 #endif
 
 // One kernel per layout (DSQ_SCORER_*): each holds only its own copy and expansion code.
@@ -166,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<H * NQ, LAYOUT>)
   // launch() below may make it a dependent launch (launch.cuh); then `prefetch` where DSQ_SCORER_PREFETCH is on
   dsq_launch::allow_dependents();
 #if DSQ_SCORER_PREFETCH
-  if (prefetch) prefetch_start<H, NQ, LAYOUT>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, p_shift);
+  if (prefetch) dsqsc::prefetch_block<H, NQ, LAYOUT>(a, blockIdx.x, blockIdx.y, blockIdx.z, tiles_per_cta, p_shift);
 #else
   static_cast<void>(prefetch);
 #endif

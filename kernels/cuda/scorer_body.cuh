@@ -59,6 +59,10 @@
 //   template <int N> void mma_wait();       returns when at most N started groups are running
 //   template <int NT> void mma_done(float (&acc)[NT / 2]);   after the wait that retired acc's group: acc is read
 //   void frag_done(uint32_t (&a)[4][4]);    after the wait that retired the group that read a: a may change
+//   void prefetch_l2(const void* p, int bytes);
+//                                           `bytes` (a multiple of 16, 16-byte aligned) fetched into L2, not waited for
+//   int64_t peek_index(const void* p, int64_t i, bool i64);
+//                                           element i of an int32 / int64 array, read through L2 only (prefetch_block)
 //   SC_PHASE(k), SC_PHASE_END()             optional: phase boundary k of the block, the block's end (a build that
 //                                           records them for dev/scorer_phases.py; nothing otherwise)
 #pragma once
@@ -803,6 +807,37 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
     }
   }
   SC_PHASE_END();
+}
+
+// Block (split, group, b)'s first loads prefetched into L2: its q rows (payload bytes) and the cache pages of its
+// first tiles (those whose copies it issues before its first product). For a CTA of a dependent launch before it
+// waits for the kernel ahead, which may still be writing any input: the pages' block-table entries are read here
+// (peek_index: no L1 line of them outlives the wait) and may be stale; they only choose pages to prefetch, and
+// entries outside [0, num_blocks) or past the table are skipped, so every prefetch lies inside the cache.
+template <int H, int NQ, int LAYOUT>
+SC_FN void prefetch_block(const DsqPagedLogitsArgs& a, int split, int group, int64_t b, int tiles_per_block,
+                          int p_shift) {
+  constexpr bool FP4 = LAYOUT != DSQ_SCORER_FP8_132;
+  const int tid = thread_id();
+  const int64_t n0 = static_cast<int64_t>(group) * NQ;
+  if (tid == 0 && n0 < a.N) {
+    const int64_t nq = a.N - n0 < NQ ? a.N - n0 : NQ, row_bytes = FP4 ? 64 : 128;
+    const uint8_t* q = static_cast<const uint8_t*>(a.q) + (b * a.N + n0) * H * row_bytes;
+    prefetch_l2(q, static_cast<int>(nq * H * row_bytes));
+  }
+  const Geometry geo{static_cast<int>(a.page_size), p_shift};
+  const int64_t first = static_cast<int64_t>(split) * tiles_per_block * kTile;
+  const int64_t ahead = first + static_cast<int64_t>(stages_of(FP4) - 2) * kTile;   // the tiles of kAhead pairs
+  const int64_t end = ahead < a.max_seq_len ? ahead : a.max_seq_len;
+  if (first >= end) return;
+  const int e = geo.page_of(static_cast<int>(first)) + tid;   // one page a thread
+  if (e > geo.page_of(static_cast<int>(end - 1)) || e >= a.max_blocks) return;
+  const int64_t pg = peek_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype == dsq::kI64);
+  if (pg < 0 || pg >= a.num_blocks) return;
+  const int64_t P = a.page_size;
+  const int64_t page_bytes = P * (FP4 ? (LAYOUT == DSQ_SCORER_PACKED68 ? dsq::kPacked68Row : 64) : dsq::kFp8132Row);
+  prefetch_l2(a.kv_cache + pg * page_bytes, static_cast<int>(page_bytes));
+  if (LAYOUT == DSQ_SCORER_AITER_FP4) prefetch_l2(a.kv_scale + pg * 4 * P, static_cast<int>(4 * P));
 }
 
 // ---- host side: what the launch supports, its queries per block and its work split ---------------------------

@@ -1,9 +1,9 @@
 // kernels/cuda/sm90_layer.cuh: the GPU side of the layer that the sm_90a block bodies (prefill_body.cuh,
 // scorer_body.cuh) are written against; their host emulators (tests/cpp) supply the other side. Thread index, block
 // barrier, 32-lane exchange, asynchronous 16-byte copies in groups, bulk copies on shared-memory barriers, the proxy
-// fence, the NaN-keeping relu, and the warpgroup MMA of one tile: acc[64 x NT] = A[64 x 128] . B[NT x 128]^T in
-// four 32-wide steps of wgmma.cuh's e4m3 instructions, started as one group. The MMA templates are instantiated
-// from sm_90a code only.
+// fence, the NaN-keeping relu, L2 prefetches and reads that keep no L1 line, and the warpgroup MMA of one tile:
+// acc[64 x NT] = A[64 x 128] . B[NT x 128]^T in four 32-wide steps of wgmma.cuh's e4m3 instructions, started as one
+// group. The MMA templates are instantiated from sm_90a code only.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,12 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes,
 __device__ __forceinline__ void bar_arrive(uint64_t* bar) { dsq_ptx::mbar_arrive(bar); }
 __device__ __forceinline__ void bar_wait(uint64_t* bar, int parity) { dsq_ptx::mbar_wait(bar, parity); }
 __device__ __forceinline__ float relu_nan(float x) { return dsq_ptx::relu_nan(x); }
+// An L2 prefetch of `bytes`, and an index read through L2 only (no L1 line of it is kept).
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) { dsq_ptx::bulk_prefetch_l2(p, bytes); }
+__device__ __forceinline__ int64_t peek_index(const void* p, int64_t i, bool i64) {
+  if (i64) return static_cast<int64_t>(__ldcg(static_cast<const long long*>(p) + i));
+  return __ldcg(static_cast<const int*>(p) + i);
+}
 
 // A and B in shared memory (K-major, 128-byte rows, the 128-byte swizzle, 1024-aligned).
 template <int NT>

@@ -4,7 +4,8 @@
 // blocks in a chosen order), with the layer of tests/cpp/sm90_emu.h (asynchronous copies, the matrix unit, garbage
 // shared memory, modelled on the hardware) plus a warp vote, byte permutes and the error flag's or.
 // It exports dsq_paged_mqa_logits (kernels/cuda/scorer.h; pointers are host pointers: CPU torch tensors), plus
-// dsq_emu_set_order, dsq_emu_set_slots and dsq_error_string. Built by tests/test_scorer_host.py.
+// dsq_emu_set_order, dsq_emu_set_slots, dsq_emu_set_prefetch (each block runs prefetch_block first, as a CTA of a
+// dependent launch of a DSQ_SCORER_PREFETCH build does) and dsq_error_string. Built by tests/test_scorer_host.py.
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -30,6 +31,7 @@ inline void flag_or(int32_t* p, int v) { *p |= v; }
 namespace {
 
 int64_t slots = 8;   // resident blocks of the emulated device (the split plan's input)
+bool prefetch = false;
 
 template <int H, int NQ, int LAYOUT>
 void run(const DsqPagedLogitsArgs& a) {
@@ -41,11 +43,15 @@ void run(const DsqPagedLogitsArgs& a) {
   const int64_t page_bytes = a.layout == DSQ_SCORER_FP8_132 ? P * 132 : a.layout == DSQ_SCORER_PACKED68 ? P * 68 : P * 64;
   sm90emu::sources = {{a.kv_cache, a.kv_cache + a.num_blocks * page_bytes}};
   if (a.layout == DSQ_SCORER_AITER_FP4) sm90emu::sources.push_back({a.kv_scale, a.kv_scale + a.num_blocks * 4 * P});
+  const uint8_t* q = static_cast<const uint8_t*>(a.q);
+  sm90emu::prefetchable = sm90emu::sources;
+  sm90emu::prefetchable.push_back({q, q + a.B * a.N * H * (LAYOUT == DSQ_SCORER_FP8_132 ? 128 : 64)});
   const int64_t per_b = static_cast<int64_t>(p.splits) * p.groups;
   emu::run_grid(per_b * a.B, [&](int64_t id) {
     sm90emu::begin_block(smem, bytes);
     const int split = static_cast<int>(id % p.splits), group = static_cast<int>(id / p.splits % p.groups);
     emu::run_block(id, dsqsc::kThreads, [&] {
+      if (prefetch) dsqsc::prefetch_block<H, NQ, LAYOUT>(a, split, group, id / per_b, p.tiles_per_block, p.p_shift);
       dsqsc::paged_logits_block<H, NQ, LAYOUT>(a, split, group, id / per_b, p.tiles_per_block, p.n_pages, p.p_shift,
                                                smem);
     });
@@ -101,5 +107,7 @@ const char* dsq_error_string(int) { return emu::last_error().c_str(); }
 void dsq_emu_set_order(int order, uint64_t seed) { emu::set_grid_order(order, seed); }
 
 void dsq_emu_set_slots(int64_t n) { slots = n; }
+
+void dsq_emu_set_prefetch(int on) { prefetch = on != 0; }
 
 }  // extern "C"

@@ -13,6 +13,8 @@
 //     then the accumulators hold NaN;
 //   * bulk_copy records a copy against a shared-memory barrier's current phase; it lands when a thread's bar_wait
 //     retires that phase (bar_arrive completes it: one arrival a phase);
+//   * prefetch_l2 only checks that its bytes lie inside `prefetchable` (the ranges the body may read), 16-byte
+//     aligned, a positive multiple of 16;
 //   * shared memory starts as garbage (0xA5 bytes) in every block (begin_block).
 // Faults inside a block (fibers cannot throw) are kept and thrown by end_block.
 #pragma once
@@ -65,6 +67,7 @@ inline uint32_t frag_board[128][4][4];       // the fragments every thread passe
 inline uint8_t* smem_base = nullptr;         // the block's shared memory (1024-aligned)
 inline int smem_bytes = 0;
 inline std::vector<std::pair<const uint8_t*, const uint8_t*>> sources;   // the byte ranges cp16 may read
+inline std::vector<std::pair<const uint8_t*, const uint8_t*>> prefetchable;   // the byte ranges prefetch_l2 may name
 inline std::string fault;
 
 inline void report(const char* what) {
@@ -149,6 +152,17 @@ inline void bar_wait(uint64_t* bar, int parity) {
   ++w;
 }
 inline float relu_nan(float x) { return x != x ? x : (x > 0.0f ? x : 0.0f); }
+inline void prefetch_l2(const void* src, int bytes) {
+  const uint8_t* p = static_cast<const uint8_t*>(src);
+  bool inside = false;
+  for (const auto& r : prefetchable) inside = inside || (p >= r.first && p + bytes <= r.second);
+  if (!inside) return report("emulated prefetch: bytes outside the inputs");
+  if (bytes <= 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    return report("emulated prefetch: not a multiple of 16 bytes, 16-byte aligned");
+}
+inline int64_t peek_index(const void* p, int64_t i, bool i64) {
+  return i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
 
 // Byte k of row r of a K-major 128-byte-swizzled tile at `tile`, as the matrix unit reads it.
 inline uint8_t operand_byte(const uint8_t* tile, int r, int k) {
