@@ -125,6 +125,12 @@ constexpr int kPageOutOfRange = dsq::code(dsq::ErrFlag::page_out_of_range);
 static_assert(DSQ_SCORER_FP8_132 == dsq::code(dsq::Layout::fp8_132) && DSQ_SCORER_PACKED68 == dsq::code(dsq::Layout::packed68) &&
                   DSQ_SCORER_AITER_FP4 == dsq::code(dsq::Layout::aiter_fp4),
               "scorer.h layout codes are dsaquant/codes.h's");
+// Bytes of one cache slot in kv_cache (aiter_fp4: its payload; the exponents are in kv_scale, 4 a slot) and of one
+// q row (SPEC §6).
+DSQ_HD constexpr int64_t kv_slot_bytes(int layout) {
+  return layout == DSQ_SCORER_FP8_132 ? dsq::kFp8132Row : layout == DSQ_SCORER_PACKED68 ? dsq::kPacked68Row : 64;
+}
+DSQ_HD constexpr int64_t q_row_bytes(int layout) { return layout == DSQ_SCORER_FP8_132 ? 128 : 64; }
 constexpr int kLutEntries = 33;    // exponent distances 0..31 (31: every value rounds to zero), 32: a zero scale
 
 // Shared memory of one block, in bytes from a 1024-aligned base.
@@ -384,7 +390,7 @@ SC_FN void paged_logits_block(const DsqPagedLogitsArgs& a, int split, int group,
   // = 0 where the fp8 rows are preshuffled: P % 16 = 0 and tiles start at multiples of 64). fp8_132: chunk tid % 8
   // of rows tid / 8 + 16 u (2048 bytes apart in both orders), the scales of rows 4 tid .. 4 tid + 3 (tid < 16);
   // aiter_fp4: chunk tid % 4 of rows tid / 4 and tid / 4 + 32.
-  const int64_t page_bytes = static_cast<int64_t>(P) * (FP4 ? (packed68 ? dsq::kPacked68Row : 64) : dsq::kFp8132Row);
+  const int64_t page_bytes = static_cast<int64_t>(P) * kv_slot_bytes(LAYOUT);
   const int row_bytes = FP4 ? 16 : 128;   // aiter_fp4, fp8_132: from the data of row o of a page to row o + 1's
   int wt_dst;                 // in a stage: the thread's first chunk
   int64_t wt_src, wt_ssrc;    // in a page, for o0 = 0: the thread's first chunk, its scale chunk (fp8_132)
@@ -821,7 +827,7 @@ SC_FN void prefetch_block(const DsqPagedLogitsArgs& a, int split, int group, int
   const int tid = thread_id();
   const int64_t n0 = static_cast<int64_t>(group) * NQ;
   if (tid == 0 && n0 < a.N) {
-    const int64_t nq = a.N - n0 < NQ ? a.N - n0 : NQ, row_bytes = FP4 ? 64 : 128;
+    const int64_t nq = a.N - n0 < NQ ? a.N - n0 : NQ, row_bytes = q_row_bytes(LAYOUT);
     const uint8_t* q = static_cast<const uint8_t*>(a.q) + (b * a.N + n0) * H * row_bytes;
     prefetch_l2(q, static_cast<int>(nq * H * row_bytes));
   }
@@ -835,7 +841,7 @@ SC_FN void prefetch_block(const DsqPagedLogitsArgs& a, int split, int group, int
   const int64_t pg = peek_index(a.block_table, b * a.bt_b + static_cast<int64_t>(e) * a.bt_k, a.bt_dtype == dsq::kI64);
   if (pg < 0 || pg >= a.num_blocks) return;
   const int64_t P = a.page_size;
-  const int64_t page_bytes = P * (FP4 ? (LAYOUT == DSQ_SCORER_PACKED68 ? dsq::kPacked68Row : 64) : dsq::kFp8132Row);
+  const int64_t page_bytes = P * kv_slot_bytes(LAYOUT);
   prefetch_l2(a.kv_cache + pg * page_bytes, static_cast<int>(page_bytes));
   if (LAYOUT == DSQ_SCORER_AITER_FP4) prefetch_l2(a.kv_scale + pg * 4 * P, static_cast<int>(4 * P));
 }

@@ -40,12 +40,12 @@ void run(const DsqPagedLogitsArgs& a) {
   std::vector<uint8_t> raw(bytes + 1024);
   uint8_t* smem = raw.data() + ((1024 - reinterpret_cast<uintptr_t>(raw.data()) % 1024) % 1024);
   const int64_t P = a.page_size;
-  const int64_t page_bytes = a.layout == DSQ_SCORER_FP8_132 ? P * 132 : a.layout == DSQ_SCORER_PACKED68 ? P * 68 : P * 64;
+  const int64_t page_bytes = P * dsqsc::kv_slot_bytes(LAYOUT);
   sm90emu::sources = {{a.kv_cache, a.kv_cache + a.num_blocks * page_bytes}};
   if (a.layout == DSQ_SCORER_AITER_FP4) sm90emu::sources.push_back({a.kv_scale, a.kv_scale + a.num_blocks * 4 * P});
   const uint8_t* q = static_cast<const uint8_t*>(a.q);
   sm90emu::prefetchable = sm90emu::sources;
-  sm90emu::prefetchable.push_back({q, q + a.B * a.N * H * (LAYOUT == DSQ_SCORER_FP8_132 ? 128 : 64)});
+  sm90emu::prefetchable.push_back({q, q + a.B * a.N * H * dsqsc::q_row_bytes(LAYOUT)});
   const int64_t per_b = static_cast<int64_t>(p.splits) * p.groups;
   emu::run_grid(per_b * a.B, [&](int64_t id) {
     sm90emu::begin_block(smem, bytes);
