@@ -19,7 +19,8 @@
 // Hadamard: x[V*l ..] and x[V*l + V/2 ..]), and quantizes and stores both runs with 4- to 16-byte stores.
 // The pair's operands reach the two lanes in opposite roles (a is the lower lane's own value, the upper lane's
 // received one), so a - b is computed as fl(sigma*own - sigma*recv) with sigma = -1 in the upper lane: the same
-// rounding and the same zero sign as fl(a - b).
+// rounding and the same zero sign as fl(a - b); sigma*own is exact, so one fused multiply-add computes it with the
+// product sigma*recv (platform.h fadd_signed).
 // RoPE: the lanes holding the tail 64 values rotate their pairs, with (cos, sin) from a block table in shared
 // memory, filled once per token of the block (the block's rows are consecutive, so its tokens are few), or read
 // per row when the block spans more than kTabTokens tokens (H < kRows / kTabTokens).
@@ -165,7 +166,7 @@ V4_FN void hadamard_row(float (&x)[V], int lane) {
       const float own = upper ? hi : lo;
       const float recv = shfl_xor(upper ? lo : hi, 1 << r);
       x[k] = fadd(own, recv);                                    // a + b
-      x[k + V / 2] = fsub(fmul(own, sigma), fmul(recv, sigma));  // a - b
+      x[k + V / 2] = fadd_signed(own, sigma, -fmul(recv, sigma));  // a - b: fl(sigma*own - sigma*recv)
     }
   }
   const float c = hadamard_scale(D);
