@@ -197,6 +197,12 @@ TRITON_CASES = {
     "fp4-fp8-fold-mixed": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, knobs=dict(fp4_dot="fp8")),
     # every key folds, one query row does not (a zero-scale block): the second pass runs for that row alone
     "fp4-fp8-fold-query": dict(layout="fp4", exp_lo=120, exp_hi=127, unfold_query=True, knobs=dict(fp4_dot="fp8")),
+    # the same through the compressed bf16 output and without clean_logits: the FP8 launch writes every entry of
+    # its tiles, the second pass rewrites those that do not fold
+    "fp4-fp8-fold-mixed-compressed-bf16": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, W=24, bf16=True,
+                                               knobs=dict(fp4_dot="fp8")),
+    "fp4-fp8-fold-mixed-noclean": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, clean=False,
+                                       knobs=dict(fp4_dot="fp8")),
     "exact-full": dict(layout="fp4", exact=True),
     "exact-compressed-bf16": dict(layout="fp4", exact=True, W=24, bf16=True),
     "exact-mixed-exponents": dict(layout="fp4", exact=True, mixed=True),
@@ -270,14 +276,18 @@ def run_triton_case(c):
         o = None
         if not kw["clean_logits"]:
             o = torch.full((a["q"].shape[0], kw["max_seqlen_k"] or a["k"].shape[0]), 12345.0)
-        if be == "triton" and c.get("knobs"):   # launcher knobs (fp8 dots the CPU has not), full layout
+        if be == "triton" and c.get("knobs"):   # launcher knobs (fp8 dots the CPU has not), the op's arguments
             from dsaquant import prefill as P
             from dsaquant.triton import prefill as TP
-            lo, hi = P._ranges(ks, ke, a["k"].shape[0])
-            o = torch.empty(a["q"].shape[0], a["k"].shape[0])
+            SKV, W = a["k"].shape[0], kw["max_seqlen_k"]
+            lo, hi = P._ranges(ks, ke, SKV)
+            base = P._clamp32(ks, -W, SKV) if W else lo
+            if o is None:
+                o = torch.empty(a["q"].shape[0], W or SKV)
+            o = o.to(kw["out_dtype"])
             outs[be] = TP.mqa_logits(a["q"].view(torch.uint8), a.get("q_scale"), a["k"].view(torch.uint8),
-                                     a["k_scale"], a["weights"], lo, hi, torch.zeros_like(lo), o, c["layout"],
-                                     "e4m3fn", False, True, False, **c["knobs"])
+                                     a["k_scale"], a["weights"], lo, hi, base, o, c["layout"], "e4m3fn", False,
+                                     kw["clean_logits"], bool(W), **c["knobs"])
             continue
         outs[be] = dsaquant.mqa_logits(ks=ks, ke=ke, out=o, backend=be, **kw, **a)
     ref, tri = outs["reference"], outs["triton"]

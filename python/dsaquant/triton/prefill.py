@@ -12,15 +12,15 @@ mqa_logits kernel (one kernel; the layout is a constexpr):
     out[i, j] (full) or out[i, j - base[i]] (compressed).
   * FP8: native fp8 x fp8 dot where the device has one for the flavour (promoted to fp32 every 32
     products on sm_90), else the codes decoded exactly to bf16 (fp32 in the interpreter).
-    FP4 fast mode: where the device has a native e4m3fn dot, the keys are folded into e4m3 once by a pre-pass
-    (_fp4_keys_e4m3_kernel: rows whose 4 block exponents lie in [64, 190] within 14 of the largest are exact in
-    e4m3 times a power of two), then FOLD_PASS 1 runs the FP8 tile (one fp8 dot, the query rows' powers of two
-    in the weights, the keys' after the head sum) and writes the logits whose key and query row fold, and
-    FOLD_PASS 2 the bf16 dots of the others (values decoded exactly: SPEC §1 values times a power of two, split
-    into the even and odd elements, two dots with K = 64; a program loads and decodes its query rows only when
-    one of its rows or of the keys does not fold, so where everything folds the pass costs its launch). Other
-    devices: the bf16 dots, one launch. The cuda backend runs its own kernel as pass 1 (after fold_keys; it folds
-    the query rows itself).
+    FP4 fast mode: where the device has a native e4m3fn dot, the keys and the query rows are folded into e4m3 by
+    pre-passes (_fp4_keys_e4m3_kernel, _fp4_queries_e4m3_kernel: rows whose 4 block exponents lie in [64, 190]
+    within 14 of the largest are exact in e4m3 times a power of two; the query rows' powers of two go into the
+    weights, the keys' are the key scales), then the FP8 kernel itself scores every tile (one fp8 dot), and
+    FOLD_PASS 2 rewrites with bf16 dots the logits whose key or query row does not fold (values decoded exactly:
+    SPEC §1 values times a power of two, split into the even and odd elements, two dots with K = 64; a program
+    loads and decodes its query rows only when one of its rows or of the keys does not fold, so where everything
+    folds the pass costs its launch). Other devices: the bf16 dots, one launch. The cuda backend runs its own
+    kernel in place of the query pre-pass and the FP8 launch (after fold_keys; it folds the query rows itself).
   * FP4 exact mode: per block of 32 an integer dot of the doubled E2M1 values (int8 x int8 -> int32 on a
     GPU; in the interpreter an fp32 dot, exact because every partial sum is an integer below 2^13),
     then the same ldexp, block order, relu, weight multiply and canonical head sum as
@@ -208,6 +208,31 @@ def _fp4_keys_e4m3_kernel(k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, kall_ptr, SKV,
 
 
 @triton.jit
+def _fp4_queries_e4m3_kernel(q_ptr, qs_ptr, w_ptr, q8_ptr, wf_ptr, kall_ptr, S, stride_w, H: tl.constexpr,
+                             BI: tl.constexpr):
+    """FP4 query rows -> e4m3 rows [S * H, 128] (_fold_query_rows: the folded values in element order) and fp32
+    weights [S, H] times the rows' scales, the operands of the FP8 kernel. Program p: tokens p * BI .. p * BI + BI - 1
+    (all their heads). kall[1] is 1 before the launch; a program with a token one of whose heads does not fold
+    clears it (the second pass then rewrites that token's logits from bf16 dots)."""
+    R: tl.constexpr = BI * H
+    r = tl.arange(0, R)
+    qi = tl.program_id(0) * BI + r // H
+    h = r % H
+    r_ok = qi < S
+    qrow = qi.to(tl.int64) * H + h
+    col = tl.arange(0, 64)
+    qword = tl.load(qs_ptr + qrow, mask=r_ok, other=0)
+    w_col = tl.load(w_ptr + qi.to(tl.int64) * stride_w + h, mask=r_ok, other=0.0).to(tl.float32)
+    qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
+    q8, w_fold, rfold = _fold_query_rows(qp, qword, w_col, r_ok, BI, H)
+    d = tl.arange(0, 128)
+    tl.store(q8_ptr + qrow[:, None] * 128 + d[None, :], q8, mask=r_ok[:, None])
+    tl.store(wf_ptr + qrow, w_fold, mask=r_ok)
+    if tl.min(rfold, axis=0) == 0:
+        tl.atomic_and(kall_ptr + 1, 0)
+
+
+@triton.jit
 def _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H: tl.constexpr, BQ: tl.constexpr,
                    BLOCK_KV: tl.constexpr, DOT_F32: tl.constexpr):
     """An FP4 tile's logits [BLOCK_KV, BQ] from dots on exactly dequantized bf16 values (even and odd elements,
@@ -292,7 +317,6 @@ def _mqa_logits_rows(
     qe1 = tl.zeros((R,), tl.int32)
     qe2 = tl.zeros((R,), tl.int32)
     qe3 = tl.zeros((R,), tl.int32)
-    w_fold = w_col
     rfold = row_ok.to(tl.int32)
     if LAYOUT == 0:
         d = tl.arange(0, 128)
@@ -309,13 +333,6 @@ def _mqa_logits_rows(
             q_lo, q_hi = _fp4_dequant(qp, qword, col)
             qT0 = tl.trans(_operand(q_lo, DOT_F32))
             qT1 = tl.trans(_operand(q_hi, DOT_F32))
-        elif FOLD_PASS == 1:   # rfold: the query rows that fold; qe1: all of them; the operand qT2
-            qp = tl.load(q_ptr + qrow[:, None] * 64 + col[None, :], mask=r_ok[:, None], other=0)
-            q8, w_fold, rfold = _fold_query_rows(qp, qword, w_col, r_ok, BQ, H)
-            qe1 = tl.min(rfold, axis=0)
-            qT2 = tl.trans(q8)
-            if qe1 == 0:   # a query row of the call does not fold: the second pass has work
-                tl.atomic_and(kall_ptr + 1, 0)
         else:   # only which rows fold here: the bf16 operands are built below, by programs with entries to write
             q_emax, w_fold, rfold = _fold_rows(qword, w_col, r_ok, BQ, H)
             qe1 = tl.min(rfold, axis=0)
@@ -351,12 +368,12 @@ def _mqa_logits_rows(
             q_lo2, q_hi2 = _fp4_dequant(qp2, qword, c64)
             qL = tl.trans(_operand(q_lo2, DOT_F32))
             qH = tl.trans(_operand(q_hi2, DOT_F32))
-            _score_tiles(t_begin, t_lo, t_hi, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok,
+            _score_tiles(t_begin, t_lo, t_hi, qL, qH, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rfold, rows, row_ok,
                          lo, hi, base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ,
                          BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND,
                          FOLD_PASS, STATIC_TILES)
     else:
-        _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok,
+        _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rfold, rows, row_ok,
                      lo, hi, base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV,
                      LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS,
                      STATIC_TILES)
@@ -366,7 +383,7 @@ def _mqa_logits_rows(
 
 
 @triton.jit
-def _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi,
+def _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rfold, rows, row_ok, lo, hi,
                  base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H: tl.constexpr,
                  BQ: tl.constexpr, BLOCK_KV: tl.constexpr, LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr,
                  FNUZ: tl.constexpr, DOT_F32: tl.constexpr, DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr,
@@ -376,14 +393,14 @@ def _score_tiles(t_begin, t_lo, t_hi, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_
     bounds with numpy >= 2.4): a constexpr trip count over the program's tiles from t_begin, and a branch."""
     if STATIC_TILES == 0:
         for t in range(t_lo, t_hi):
-            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base,
+            _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rfold, rows, row_ok, lo, hi, base,
                          k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ, BLOCK_KV, LAYOUT,
                          FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED, OUT_KIND, FOLD_PASS)
     else:
         for it in range(STATIC_TILES):
             t = t_begin + it
             if (t >= t_lo) & (t < t_hi):
-                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi,
+                _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rfold, rows, row_ok, lo, hi,
                              base, k_ptr, kf_ptr, k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H, BQ,
                              BLOCK_KV, LAYOUT, FP8_NATIVE, FNUZ, DOT_F32, DOT_INT, IMPRECISE, CLEAN, COMPRESSED,
                              OUT_KIND, FOLD_PASS)
@@ -434,7 +451,7 @@ def _exact_block(k_ptr, krow, j_ok, kword, qT, qe, b: tl.constexpr, BLOCK_KV: tl
 
 
 @triton.jit
-def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
+def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, rfold, rows, row_ok, lo, hi, base, k_ptr, kf_ptr,
                  k8_ptr, ksc_ptr, kt_ptr, out_ptr, SKV, W, stride_out, H: tl.constexpr, BQ: tl.constexpr, BLOCK_KV: tl.constexpr,
                  LAYOUT: tl.constexpr, FP8_NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
                  DOT_INT: tl.constexpr, IMPRECISE: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
@@ -456,26 +473,16 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold
         v = tl.where(acc < 0, 0.0, acc) * w_col[None, :]
         logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * k_scale[:, None]
     elif LAYOUT == 1:
-        if FOLD_PASS != 0:
-            # keys folded into e4m3 by the pre-pass (ksc: their scale, -1 where a key does not fold) and query rows
-            # that fold (rfold): pass 1 writes the logits of the keys and rows that both fold (one fp8 dot, the key
-            # scale after the head sum, as FP8's; computed for the whole tile without a branch), pass 2 all the
-            # others (bf16 dots; a tile whose keys (kt) and rows (qe1) all fold is skipped): each entry once
+        if FOLD_PASS == 2:
+            # the FP8 kernel has scored the tile from the folded keys (ksc: their scale, -1 where a key does not
+            # fold) and query rows (rfold: the rows that fold); this pass rewrites the logits whose key or row does
+            # not fold (bf16 dots; a tile whose keys (kt) and rows (qe1) all fold is skipped)
             ksc = tl.load(ksc_ptr + krow, mask=j_ok, other=1.0)
-            both = (ksc > 0.0)[:, None] & (rfold != 0)[None, :]
-            if FOLD_PASS == 1:
-                own = both
-                d = tl.arange(0, 128)
-                k8 = tl.load(k8_ptr + krow[:, None] * 128 + d[None, :], mask=j_ok[:, None], other=0.0)
-                acc = tl.dot(k8, qT2, max_num_imprecise_acc=IMPRECISE)
-                v = tl.where(acc < 0, 0.0, acc) * w_fold[None, :]
-                logit = tl.sum(tl.reshape(v, (BLOCK_KV, BQ, H)), axis=2) * ksc[:, None]
+            own = ~((ksc > 0.0)[:, None] & (rfold != 0)[None, :])
+            if (tl.load(kt_ptr + t) != 0) & (qe1 != 0):
+                logit = tl.zeros((BLOCK_KV, BQ), tl.float32)
             else:
-                own = ~both
-                if (tl.load(kt_ptr + t) != 0) & (qe1 != 0):
-                    logit = tl.zeros((BLOCK_KV, BQ), tl.float32)
-                else:
-                    logit = _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H, BQ, BLOCK_KV, DOT_F32)
+                logit = _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H, BQ, BLOCK_KV, DOT_F32)
         else:
             logit = _fp4_tile_bf16(k_ptr, kf_ptr, krow, j_ok, qT0, qT1, w_col, H, BQ, BLOCK_KV, DOT_F32)
     else:
@@ -501,16 +508,12 @@ def _logits_tile(t, qT0, qT1, qT2, qT3, qe0, qe1, qe2, qe3, w_col, w_fold, rfold
                        j_ok[:, None] & row_ok[None, :], OUT_KIND)
             else:
                 _store(out_ptr, r64 + j[:, None], logit, valid, OUT_KIND)
-    else:   # the entries this pass owns; -inf outside the ranges by the first pass
+    else:   # the entries that do not fold; -inf outside the ranges by the FP8 launch
         if COMPRESSED:
             c = j[:, None] - base[None, :]
             _store(out_ptr, r64 + c, logit, valid & own & (c >= 0) & (c < W), OUT_KIND)
         else:
-            if CLEAN and FOLD_PASS == 1:
-                _store(out_ptr, r64 + j[:, None], tl.where(valid, logit, float("-inf")),
-                       j_ok[:, None] & row_ok[None, :] & (own | ~valid), OUT_KIND)
-            else:
-                _store(out_ptr, r64 + j[:, None], logit, valid & own, OUT_KIND)
+            _store(out_ptr, r64 + j[:, None], logit, valid & own, OUT_KIND)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -611,28 +614,32 @@ def mqa_logits(q, q_scale, k, k_scale, weights, lo, hi, base, out, layout, fp8_f
     row_blocks = max(1, int(row_blocks or 1))
     grid = (_cdiv(_cdiv(S, bq), row_blocks), _cdiv(num_tiles, tpp))
     out_kind = 1 if out.dtype == torch.bfloat16 else 0
-    # FP4 folded: pass 1 (the fp8 kernel's shape) writes the entries that fold and the fills, pass 2 the others
-    passes = ((1, cfg["num_warps"], cfg["num_stages"]), (2,) + FOLD_FALLBACK_LAUNCH) if fp4_fp8 else \
-        ((0, cfg["num_warps"], cfg["num_stages"]),)
-    if folded_keys is not None:
-        passes = passes[1:]
-    for fold_pass, warps, stages in passes:
+
+    def launch(q_, qs_, k_, kf_, w_, lid, fp8_native, fold_pass, warps, stages):
         if num_warps is not None or num_stages is not None:
             warps, stages = cfg["num_warps"], cfg["num_stages"]
         _mqa_logits_kernel[grid](
-            q, qs, k, kf, k8, ksc, kt, kall, weights, lo, hi, base, out, S, SKV, W, tpp, weights.stride(0), out.stride(0),
-            H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=layout_id, FP8_NATIVE=native, FNUZ=fnuz, DOT_F32=interp,
+            q_, qs_, k_, kf_, k8, ksc, kt, kall, w_, lo, hi, base, out, S, SKV, W, tpp, w_.stride(0), out.stride(0),
+            H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=fp8_native, FNUZ=fnuz, DOT_F32=interp,
             DOT_INT=dot_int, IMPRECISE=32, CLEAN=bool(clean_logits), COMPRESSED=bool(compressed),
             FILL=bool(clean_logits and not compressed), OUT_KIND=out_kind, STATIC_TILES=tpp if interp else 0,
             FOLD_PASS=fold_pass, ROW_BLOCKS=row_blocks, num_warps=warps, num_stages=stages,
-            enable_fp_fusion=layout_id != 2)     # exact mode: no FMA contraction (SPEC §0.1)
+            enable_fp_fusion=lid != 2)     # exact mode: no FMA contraction (SPEC §0.1)
+
+    if not fp4_fp8:
+        launch(q, qs, k, kf, weights, layout_id, native, 0, cfg["num_warps"], cfg["num_stages"])
+        return out
+    if folded_keys is None:   # the query rows folded, then the FP8 kernel over every tile (the cuda backend: its own)
+        q8, w_fold = fold_queries(q, qs, weights, kall)
+        launch(q8, q8, k8, ksc, w_fold, LAYOUT_IDS["fp8"], True, 0, cfg["num_warps"], cfg["num_stages"])
+    launch(q, qs, k, kf, weights, layout_id, False, 2, *FOLD_FALLBACK_LAUNCH)   # what does not fold
     return out
 
 
 class FoldedKeys(tuple):
     """fold_keys' result: (k8 e4m3 [SKV, 128], ksc fp32 [SKV], kt int32 [tiles], kall int32 [2]) and `block`, the
-    keys per tile of kt. kall[0]: every key folds; kall[1]: every query row folds, 1 until the first pass (the
-    Triton kernel's, or the cuda backend's kernel) clears it."""
+    keys per tile of kt. kall[0]: every key folds; kall[1]: every query row folds, 1 until the query pre-pass
+    (or the cuda backend's kernel) clears it."""
     block: int
 
     def __new__(cls, k8, ksc, kt, kall, block):
@@ -656,6 +663,22 @@ def fold_keys(k, kf, block: int) -> FoldedKeys:
     kt, kall = flags[:tiles], flags[tiles:]
     _fp4_keys_e4m3_kernel[(_cdiv(SKV, sub),)](k, kf, k8, ksc, kt, kall, SKV, BLOCK=block, SUB=sub, num_warps=2)
     return FoldedKeys(k8, ksc, kt, kall, block)
+
+
+FOLD_QUERIES_ROWS = 64   # query rows (tokens x heads) a program of the query pre-pass
+
+
+def fold_queries(q, qs, weights, kall):
+    """FP4 query rows (uint8 [S, H, 64], exponent words int32 [S * H], weights [S, H]) folded into e4m3
+    (_fp4_queries_e4m3_kernel): (e4m3 [S * H, 128], fp32 weights times the rows' scales [S, H]); kall[1] cleared
+    where a token has a head that does not fold."""
+    S, H, dev = q.shape[0], q.shape[1], q.device
+    bi = max(1, FOLD_QUERIES_ROWS // H)
+    q8 = torch.empty((S * H, 128), dtype=torch.float8_e4m3fn, device=dev)
+    w_fold = torch.empty((S, H), dtype=torch.float32, device=dev)
+    _fp4_queries_e4m3_kernel[(_cdiv(S, bi),)](q, qs, weights, q8, w_fold, kall, S, weights.stride(0), H=H, BI=bi,
+                                              num_warps=4)
+    return q8, w_fold
 
 
 def fold_block(S: int, SKV: int, H: int, device) -> int:
@@ -783,16 +806,17 @@ OPS = {"mqa_logits": mqa_logits, "mqa_topk": mqa_topk, "gather_index_cache": gat
 # AOT compilation (tests/test_triton_prefill_aot.py)
 # ------------------------------------------------------------------------------------------------
 def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=False, fnuz=False, int_dot=True,
-                fp4_fp8=False, fold_pass=1, block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False,
+                fp4_fp8=False, block_q=None, block_kv=None, clean=True, compressed=False, out_bf16=False,
                 w_dtype="fp32", num_warps=None, num_stages=None):
     """Compile the mqa_logits kernel for a GPUTarget without a GPU (the launcher's default block sizes unless
-    given; fp4_fp8: the FP4 folded pass fold_pass, 1 or 2). Returns the CompiledKernel."""
+    given; fp4_fp8: the FP4 folded mode's second pass, the bf16 dots of what does not fold; its first pass is the
+    FP8 kernel). Returns the CompiledKernel."""
     from triton.compiler import ASTSource
     lid = 2 if (layout == "fp4" and exact) else LAYOUT_IDS[layout]
     fp8 = lid == 0
     fold = bool(fp4_fp8 and lid == 1)
     bq_default, bkv_default, warps, stages = kernel_config(FOLD_CONFIG if fold else lid, H)
-    if fold and fold_pass == 2:
+    if fold:
         warps, stages = FOLD_FALLBACK_LAUNCH
     bq = block_q or bq_default
     bkv = block_kv or bkv_default
@@ -807,7 +831,7 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     cx = dict(H=H, BQ=bq, BLOCK_KV=bkv, LAYOUT=lid, FP8_NATIVE=bool(fp8_native and fp8), FNUZ=bool(fnuz and fp8),
               DOT_F32=False, DOT_INT=bool(int_dot), IMPRECISE=32, CLEAN=bool(clean), COMPRESSED=bool(compressed),
               FILL=bool(clean and not compressed), OUT_KIND=1 if out_bf16 else 0, STATIC_TILES=0,
-              FOLD_PASS=fold_pass if fold else 0, ROW_BLOCKS=1)
+              FOLD_PASS=2 if fold else 0, ROW_BLOCKS=1)
     names = list(sig)
     sig.update({k: "constexpr" for k in cx})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
@@ -817,15 +841,22 @@ def aot_compile(target, layout: str, H: int = 64, *, exact=False, fp8_native=Fal
     return triton.compile(src, target=target, options=opts)
 
 
-def aot_compile_fold(target):
-    """Compile the FP4 keys' pre-pass into e4m3 for a GPUTarget without a GPU. Returns the CompiledKernel."""
+def aot_compile_fold(target, rows: str = "keys", H: int = 64):
+    """Compile the FP4 pre-pass into e4m3 of the keys (rows="keys") or of the query rows ("queries", H heads) for a
+    GPUTarget without a GPU. Returns the CompiledKernel."""
     from triton.compiler import ASTSource
-    sig = {"k_ptr": "*u8", "kf_ptr": "*i32", "k8_ptr": "*fp8e4nv", "ksc_ptr": "*fp32", "kt_ptr": "*i32",
-           "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr", "SUB": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-    keys = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128, "SUB": FOLD_KEYS_SUB},
-                     attrs=attrs)
-    return triton.compile(keys, target=target, options=dict(num_warps=2))
+    if rows == "keys":
+        sig = {"k_ptr": "*u8", "kf_ptr": "*i32", "k8_ptr": "*fp8e4nv", "ksc_ptr": "*fp32", "kt_ptr": "*i32",
+               "kall_ptr": "*i32", "SKV": "i32", "BLOCK": "constexpr", "SUB": "constexpr"}
+        src = ASTSource(fn=_fp4_keys_e4m3_kernel, signature=sig, constexprs={"BLOCK": 128, "SUB": FOLD_KEYS_SUB},
+                        attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+        return triton.compile(src, target=target, options=dict(num_warps=2))
+    sig = {"q_ptr": "*u8", "qs_ptr": "*i32", "w_ptr": "*fp32", "q8_ptr": "*fp8e4nv", "wf_ptr": "*fp32",
+           "kall_ptr": "*i32", "S": "i32", "stride_w": "i32", "H": "constexpr", "BI": "constexpr"}
+    src = ASTSource(fn=_fp4_queries_e4m3_kernel, signature=sig,
+                    constexprs={"H": H, "BI": max(1, FOLD_QUERIES_ROWS // H)},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
+    return triton.compile(src, target=target, options=dict(num_warps=4))
 
 
 def aot_compile_gather(target, layout: str, page_size: int = 64, *, preshuffle=False, bt_dtype="i32", cu_dtype="i32"):
