@@ -16,7 +16,10 @@ namespace dsq_launch {
 // Build switches of the families whose launch sites pass them: the writers (the indexer op, the q and k writers,
 // compress_kv, rope_rotate_quant) and the top-k's cached-row kernel. A launch is made dependent by default only
 // where it measured faster (the decode scorer's rule, scorer.cu); these two are variants to time
-// (dev/cuda_variants.sh "plain:" "dependent:-DDSQ_DEPENDENT_WRITERS=1 -DDSQ_DEPENDENT_TOPK=1").
+// (dev/cuda_variants.sh "plain:" "dependent:-DDSQ_DEPENDENT_WRITERS=1 -DDSQ_DEPENDENT_TOPK=1"), off because no
+// size rule separated their gains from their losses (H100, µs, plain against dependent, two rounds each): the k
+// writers and the indexer at T = 1 gained 0.25 - 0.45, the q packer lost 0.37 at T = 64, the V4 k writer 0.3 at
+// T = 8192; the top-k gained 0.3 - 0.8 on three of the bench's shapes and lost 0.3 on 16 x 65536.
 #ifndef DSQ_DEPENDENT_WRITERS
 #define DSQ_DEPENDENT_WRITERS 0
 #endif
