@@ -826,7 +826,7 @@ SC_FN void prefetch_block(const DsqPagedLogitsArgs& a, int split, int group, int
   constexpr bool FP4 = LAYOUT != DSQ_SCORER_FP8_132;
   const int tid = thread_id();
   const int64_t n0 = static_cast<int64_t>(group) * NQ;
-  if (tid == 0 && n0 < a.N) {
+  if (tid == 0 && split == 0 && n0 < a.N) {   // the q rows are the same for every split: one prefetch of them
     const int64_t nq = a.N - n0 < NQ ? a.N - n0 : NQ, row_bytes = q_row_bytes(LAYOUT);
     const uint8_t* q = static_cast<const uint8_t*>(a.q) + (b * a.N + n0) * H * row_bytes;
     prefetch_l2(q, static_cast<int>(nq * H * row_bytes));
