@@ -111,9 +111,10 @@ constexpr bool is_fp4(int layout) { return layout != DSQ_SCORER_FP8_132; }
 // (about 3.7 µs of 11 at (4, 4, 32768) on the H100) is mostly such loads. With every block prefetching its q rows
 // it measured (H100, dev/tune_scorer.py, two rounds, µs, plain then prefetch) 28.1, 28.1 against 27.0, 27.1 at
 // (64, 1, 8192) fp8_132, 18.9, 18.9 against 18.6, 18.6 at (4, 4, 32768) packed68, 9.3, 9.3 against 8.9, 8.8 at
-// (4, 1, 32768) fp8_132, the other layouts and shapes within 0.3, but 5.2, 5.1 against 6.2, 6.1 at (1, 1, 65536)
-// fp8_132, where all the blocks of the grid prefetch the same q rows; the q rows are now prefetched by the
-// blocks of the first split alone, a build not yet timed.
+// (4, 1, 32768) fp8_132 and 10.7, 11.0 against 10.3, 10.4 at (4, 2, 32768) fp8_132, the FP4 layouts at (1, 1,
+// 65536) and (4, 1, 32768) within 0.1, but 5.2, 5.1 against 6.2, 6.1 at (1, 1, 65536) fp8_132, where all the
+// blocks of the grid prefetch the same q rows; the q rows are now prefetched by the blocks of the first split
+// alone, a build not yet timed.
 #ifndef DSQ_SCORER_PREFETCH
 #define DSQ_SCORER_PREFETCH 0
 #endif
