@@ -35,6 +35,10 @@ def scorer_cases():
                                   (1, 2, 32, 290, 96)):
             a = make_scorer_inputs(layout, B, N, H, ctx, page_size=P, device=dev)
             ops.paged_mqa_logits(layout=layout, backend=on("paged_mqa_logits"), **a)
+        # a grid that fills the blocks resident at once (two sequences of 512 tiles, more than the splits that fit):
+        # launched as a programmatic dependent of the kernel before it (kernels/cuda/scorer.cu)
+        a = make_scorer_inputs(layout, 2, 1, 64, 32768, device=dev, seed=7)
+        ops.paged_mqa_logits(layout=layout, backend=on("paged_mqa_logits"), **a)
         # hostile: page ids outside [0, NB), lengths past max_seq_len, past the table, negative
         a = scorer_hostile_tables(make_scorer_inputs(layout, 5, 2, 32, 640, device=dev, seed=5))
         for clean in (True, False):
