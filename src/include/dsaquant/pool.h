@@ -52,17 +52,6 @@ DSQ_HD float pool_exp(float sig, float m) {
 DSQ_HD float pool_weight(float e, float S) { return fdiv(e, S); }
 DSQ_HD float pool_term(float e, float S, float kv) { return fmul(pool_weight(e, S), kv); }
 
-#if defined(DSQ_CUDA_DEVICE)
-// fl(a * b + c) with one rounding: an explicit fused operation of the division's fast path below, written as inline
-// PTX so that the build checks, which reject any f32 multiply-add the compiler emits (SPEC §0.1: no contraction),
-// tell it from a contraction.
-__device__ __forceinline__ float pool_fma(float a, float b, float c) {
-  float r;
-  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-  return r;
-}
-#endif
-
 // The N weights of one column in place, v[k] = fl(v[k] / S), bit for bit pool_weight. On CUDA the column shares one
 // reciprocal: the fast path of the correctly rounded division (the hardware reciprocal of S refined once, then per
 // value a product and one correction, the sequence of div.rn's own fast path) with the reciprocal computed once for
@@ -78,11 +67,11 @@ DSQ_HD void pool_weights(float (&v)[N], float S) {
   if (fast) {
     float y0;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(S));
-    const float y1 = pool_fma(y0, pool_fma(-S, y0, 1.0f), y0);
+    const float y1 = fma_explicit(y0, fma_explicit(-S, y0, 1.0f), y0);
     DSQ_UNROLL
     for (int k = 0; k < N; ++k) {
       const float q0 = __fmul_rn(v[k], y1);
-      v[k] = pool_fma(y1, pool_fma(-S, q0, v[k]), q0);
+      v[k] = fma_explicit(y1, fma_explicit(-S, q0, v[k]), q0);
     }
     return;
   }
