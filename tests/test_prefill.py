@@ -195,12 +195,14 @@ TRITON_CASES = {
     # spans up to the 14 binades that fold; one key whose block is 32 below (its tile falls back) and one query
     # row with a zero-scale block (its row block falls back)
     "fp4-fp8-fold-mixed": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, knobs=dict(fp4_dot="fp8")),
-    # every key folds, one query row does not (a zero-scale block): the second pass runs for that row alone
-    "fp4-fp8-fold-query": dict(layout="fp4", exp_lo=120, exp_hi=127, unfold_query=True, knobs=dict(fp4_dot="fp8")),
+    # every key folds, one query row does not (a block 23 binades above the others, whose value the FP8 launch
+    # cannot hold): the second pass rewrites that row alone
+    "fp4-fp8-fold-query": dict(layout="fp4", exp_lo=120, exp_hi=127, unfold_query=150, knobs=dict(fp4_dot="fp8")),
     # the same through the compressed bf16 output and without clean_logits: the FP8 launch writes every entry of
     # its tiles, the second pass rewrites those that do not fold
-    "fp4-fp8-fold-mixed-compressed-bf16": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, W=24, bf16=True,
-                                               knobs=dict(fp4_dot="fp8")),
+    # (key 45: inside row 3's window of 24 keys from 40)
+    "fp4-fp8-fold-mixed-compressed-bf16": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, unfold_key=45, W=24,
+                                               bf16=True, knobs=dict(fp4_dot="fp8")),
     "fp4-fp8-fold-mixed-noclean": dict(layout="fp4", exp_lo=118, exp_hi=133, unfold=True, clean=False,
                                        knobs=dict(fp4_dot="fp8")),
     "exact-full": dict(layout="fp4", exact=True),
@@ -242,9 +244,9 @@ def run_triton_case(c):
         a["q_scale"] = mixed_q_exponents(a["q_scale"].shape, torch.Generator().manual_seed(11))
         a["k_scale"] = mixed_exponents(a["k"].shape[0], torch.Generator().manual_seed(12))
     if c.get("unfold"):
-        a["k_scale"][37, 2] = 100
+        a["k_scale"][c.get("unfold_key", 37), 2] = 100
     if c.get("unfold") or c.get("unfold_query"):
-        a["q_scale"][3, 5, 0] = 0
+        a["q_scale"][3, 5, 0] = c.get("unfold_query", 0)
     if c.get("int32"):
         a["q_scale"] = a["q_scale"].view(torch.int32).reshape(a["q"].shape[:2])
         a["k_scale"] = a["k_scale"].view(torch.int32).reshape(-1)
